@@ -1,0 +1,1 @@
+"""Alembic migrations for the Rollout Ledger schema."""

@@ -1,0 +1,41 @@
+"""Runs the Alembic migrations programmatically (`rollout db upgrade`), no alembic.ini needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+
+HERE = Path(__file__).resolve().parent
+
+
+def alembic_config(database_url: str | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(HERE))
+    if database_url:
+        cfg.set_main_option("sqlalchemy.url", sync_url(database_url))
+    return cfg
+
+
+def sync_url(database_url: str) -> str:
+    """The same DSN for a synchronous psycopg 3 engine (Alembic runs synchronously)."""
+    from rollout_ledger.shared.settings import normalize_database_url
+
+    return normalize_database_url(database_url).replace("%", "%%")
+
+
+def head() -> str:
+    rev = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if rev is None:
+        raise RuntimeError("no migrations found in " + str(HERE / "versions"))
+    return rev
+
+
+def upgrade(database_url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(database_url), revision)
+
+
+def downgrade(database_url: str, revision: str) -> None:
+    command.downgrade(alembic_config(database_url), revision)

@@ -1,0 +1,1 @@
+"""Rollout Ledger services: scheduler, env worker, inference worker, recorder, exporter, CLI."""

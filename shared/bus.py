@@ -1,0 +1,244 @@
+"""Bus helpers: connect with bounded timeouts, declare streams and consumers, publish with dedupe ids, fetch.
+
+Ack policies are declared as data (``ConsumerSpec`` in subjects.py plus the per-service settings that
+size them); the loops that apply them live in the services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import BadRequestError, NotFoundError
+from pydantic import BaseModel
+
+from rollout_ledger.shared.errors import BusError
+from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.subjects import (
+    CANCEL_BUCKET,
+    ENVS_BUCKET,
+    EVENTS_STREAM,
+    RECORDER_CONSUMER,
+    STREAMS,
+    WORK_CONSUMER,
+    WORK_STREAM,
+    WORK_SUBJECT,
+    ConsumerSpec,
+    StreamSpec,
+    event_subject,
+)
+
+log = get_logger(__name__)
+
+
+async def connect(url: str, *, name: str, connect_timeout_s: float = 2.0, initial_wait_s: float = 30.0) -> NATS:
+    """Connect to NATS, retrying the first connection for ``initial_wait_s``, then reconnecting forever.
+
+    nats-py's defaults take minutes to report a dead server; here a dead URL fails after ``initial_wait_s``
+    with a ``BusError`` naming it.
+    """
+    servers = [s.strip() for s in url.split(",") if s.strip()]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + initial_wait_s
+    last: Exception | None = None
+
+    async def _on_error(exc: Exception) -> None:
+        log.warning("nats.error", error=str(exc))
+
+    while True:
+        try:
+            return await nats.connect(
+                servers=servers,
+                name=name,
+                connect_timeout=connect_timeout_s,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                allow_reconnect=True,
+                error_cb=_on_error,
+                pending_size=64 * 1024 * 1024,
+            )
+        except Exception as exc:  # nats-py raises several unrelated types here
+            last = exc
+            if loop.time() >= deadline:
+                raise BusError(f"cannot connect to NATS at {url}: {exc}", retryable=True) from exc
+            await asyncio.sleep(0.5)
+            if last is not None:
+                log.info("nats.connect_retry", url=url, error=str(last))
+
+
+def stream_config(spec: StreamSpec) -> js_api.StreamConfig:
+    return js_api.StreamConfig(
+        name=spec.name,
+        description=spec.description,
+        subjects=list(spec.subjects),
+        retention=js_api.RetentionPolicy.WORK_QUEUE if spec.retention == "workqueue" else js_api.RetentionPolicy.LIMITS,
+        storage=js_api.StorageType.FILE,
+        max_age=spec.max_age_s,
+        duplicate_window=spec.duplicate_window_s,
+        max_msg_size=spec.max_msg_size,
+    )
+
+
+def work_consumer_spec(ack_wait_s: float, max_deliver: int, max_ack_pending: int) -> ConsumerSpec:
+    """The env workers' consumer: redelivered after ``ack_wait_s`` without progress, ``max_deliver`` tries."""
+    return ConsumerSpec(
+        stream=WORK_STREAM,
+        durable=WORK_CONSUMER,
+        filter_subject=WORK_SUBJECT,
+        ack_wait_s=ack_wait_s,
+        max_deliver=max_deliver,
+        max_ack_pending=max_ack_pending,
+        description="env workers pull episodes; ack after the terminal event is stored on the bus",
+    )
+
+
+def recorder_consumer_spec(ack_wait_s: float, max_ack_pending: int) -> ConsumerSpec:
+    """The recorder's consumer: unlimited redelivery (nothing is dropped while Postgres is down)."""
+    return ConsumerSpec(
+        stream=EVENTS_STREAM,
+        durable=RECORDER_CONSUMER,
+        filter_subject=event_subject(">"),
+        ack_wait_s=ack_wait_s,
+        max_deliver=-1,
+        max_ack_pending=max_ack_pending,
+        description="recorder writes events to Postgres; ack after commit",
+    )
+
+
+def consumer_config(spec: ConsumerSpec) -> js_api.ConsumerConfig:
+    return js_api.ConsumerConfig(
+        durable_name=spec.durable,
+        description=spec.description,
+        ack_policy=js_api.AckPolicy.EXPLICIT,
+        deliver_policy=js_api.DeliverPolicy.ALL,
+        ack_wait=spec.ack_wait_s,
+        max_deliver=spec.max_deliver,
+        max_ack_pending=spec.max_ack_pending,
+        filter_subject=spec.filter_subject,
+        backoff=list(spec.backoff_s) or None,
+    )
+
+
+async def ensure_streams(js: JetStreamContext, max_msg_size: int | None = None) -> None:
+    """Create or update every stream of the contract (idempotent; safe from every service at start)."""
+    for spec in STREAMS:
+        if max_msg_size is not None:
+            spec = replace(spec, max_msg_size=max_msg_size)
+        cfg = stream_config(spec)
+        try:
+            await js.add_stream(cfg)
+        except BadRequestError:
+            await js.update_stream(cfg)
+
+
+async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
+    """Create the durable consumer, or update it to ``spec`` when it exists."""
+    cfg = consumer_config(spec)
+    try:
+        await js.add_consumer(spec.stream, cfg)
+    except BadRequestError:
+        # Exists with other settings: update what may be updated.
+        with contextlib.suppress(BadRequestError):
+            await js.update_consumer(spec.stream, cfg)
+
+
+async def ensure_buckets(js: JetStreamContext) -> None:
+    for bucket in (ENVS_BUCKET, CANCEL_BUCKET):
+        try:
+            await js.key_value(bucket)
+        except (NotFoundError, Exception):
+            with contextlib.suppress(BadRequestError):
+                await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
+
+
+async def ensure_topology(js: JetStreamContext) -> None:
+    """Streams and buckets of the contract (consumers are declared by the services that own them)."""
+    await ensure_streams(js)
+    await ensure_buckets(js)
+
+
+def msg_id_headers(event_id: str) -> dict[str, str]:
+    return {"Nats-Msg-Id": event_id}
+
+
+async def publish_event(js: JetStreamContext, event: BaseModel, *, timeout: float = 10.0) -> js_api.PubAck:
+    """Publish one event to its subject with its ``event_id`` as ``Nats-Msg-Id``; await the stream's ack."""
+    from rollout_ledger.shared.events import encode
+
+    event_type = str(getattr(event, "type"))
+    subject = WORK_SUBJECT if event_type == "episode.requested" else event_subject(event_type)
+    try:
+        return await js.publish(
+            subject, encode(event), timeout=timeout, headers=msg_id_headers(str(getattr(event, "event_id")))
+        )
+    except Exception as exc:
+        raise BusError(f"publish of {event_type} failed: {exc}") from exc
+
+
+async def fetch(psub: JetStreamContext.PullSubscription, batch: int, timeout: float) -> list[Msg]:
+    """Fetch up to ``batch`` messages, waiting at most ``timeout``; an empty list on timeout."""
+    try:
+        return await psub.fetch(batch, timeout=timeout)
+    except (TimeoutError, nats.errors.TimeoutError):
+        return []
+
+
+@contextlib.asynccontextmanager
+async def keep_in_progress(msg: Msg, interval_s: float) -> AsyncIterator[None]:
+    """Tell JetStream the message is still being worked on every ``interval_s`` while the block runs."""
+
+    async def _tick() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+
+    task = asyncio.create_task(_tick())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def delivery_attempt(msg: Msg) -> int:
+    """1 on the first delivery, n on the n-th redelivery."""
+    try:
+        return int(msg.metadata.num_delivered)
+    except Exception:
+        return 1
+
+
+async def close(nc: NATS | None) -> None:
+    if nc is None or nc.is_closed:
+        return
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.drain(), timeout=5)
+    with contextlib.suppress(Exception):
+        await nc.close()
+
+
+__all__ = [
+    "NATS",
+    "Msg",
+    "JetStreamContext",
+    "connect",
+    "ensure_topology",
+    "ensure_consumer",
+    "publish_event",
+    "fetch",
+    "keep_in_progress",
+    "delivery_attempt",
+    "work_consumer_spec",
+    "recorder_consumer_spec",
+    "Any",
+]

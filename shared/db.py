@@ -1,0 +1,203 @@
+"""The Postgres schema (SQLAlchemy Core tables, the Alembic target) and the engine factory with its revision check.
+
+Token arrays are ``int4[]``, logprobs ``float4[]``; a trajectory's arrays are aligned position by position.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from rollout_ledger.shared.errors import SchemaVersionError, StoreError
+
+metadata = MetaData()
+
+INT4_ARRAY = ARRAY(Integer, dimensions=1)
+REAL_ARRAY = ARRAY(REAL, dimensions=1)
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("id", String(128), primary_key=True, comment="client-supplied or generated batch id"),
+    Column("env", String(128), nullable=False),
+    Column("group_size", Integer, nullable=False),
+    Column("max_turns", Integer, nullable=False),
+    Column("sampling", JSONB, nullable=False),
+    Column("num_tasks", Integer, nullable=False),
+    Column("num_episodes", Integer, nullable=False),
+    Column("request_hash", String(64), nullable=False, comment="sha256 of the request, for idempotent POSTs"),
+    Column("metadata", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("cancelled_at", DateTime(timezone=True)),
+)
+
+episodes = Table(
+    "episodes",
+    metadata,
+    Column("id", String(128), primary_key=True),
+    Column("batch_id", String(128), ForeignKey("batches.id", ondelete="CASCADE"), nullable=False),
+    Column("group_id", String(160), nullable=False, comment="GRPO group: one task's samples in a batch"),
+    Column("group_index", Integer, nullable=False),
+    Column("task_index", Integer, nullable=False),
+    Column("env", String(128), nullable=False),
+    Column("task", JSONB, nullable=False),
+    Column("status", String(16), nullable=False, server_default="requested", comment="see shared/lifecycle.py"),
+    Column("attempt", Integer, nullable=False, server_default="0", comment="latest attempt started"),
+    Column("reward", Float),
+    Column("num_turns", Integer),
+    Column("stop_reason", Text),
+    Column("failure_class", String(16)),
+    Column("failure_reason", Text),
+    Column("worker_id", Text, comment="env worker of the latest attempt"),
+    Column("weight_versions", INT4_ARRAY, comment="distinct weight versions that sampled its kept turns"),
+    Column("prompt_token_ids", INT4_ARRAY),
+    Column("prompt_text", Text),
+    Column("published_at", DateTime(timezone=True), comment="when the work item reached the work queue"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("started_at", DateTime(timezone=True)),
+    Column("finished_at", DateTime(timezone=True)),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_episodes_batch_status", "batch_id", "status"),
+    Index("ix_episodes_group", "group_id"),
+)
+
+turns = Table(
+    "turns",
+    metadata,
+    Column("event_id", String(256), primary_key=True, comment="= request id; unique per try"),
+    Column("episode_id", String(128), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("turn_index", Integer, nullable=False),
+    Column("prompt_len", Integer, nullable=False),
+    Column("token_ids", INT4_ARRAY, nullable=False, comment="sampled ids, verbatim"),
+    Column("logprobs", REAL_ARRAY, nullable=False, comment="inference logprob of each sampled id"),
+    Column("finish_reason", String(16), nullable=False),
+    Column("weight_version", Integer, nullable=False),
+    Column("engine", String(32), nullable=False),
+    Column("worker_id", Text, nullable=False),
+    Column("queue_ms", REAL, nullable=False),
+    Column("generate_ms", REAL, nullable=False),
+    Column("cached_tokens", Integer),
+    Column("superseded", Boolean, nullable=False, server_default=text("false"),
+           comment="true for a try or attempt the episode did not keep"),
+    Column("produced_at", DateTime(timezone=True), nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_turns_episode", "episode_id", "attempt", "turn_index"),
+)
+
+steps = Table(
+    "steps",
+    metadata,
+    Column("event_id", String(256), primary_key=True),
+    Column("episode_id", String(128), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("turn_index", Integer, nullable=False),
+    Column("turn_event_id", String(256), nullable=False, comment="the turn whose ids were kept"),
+    Column("action", Text, nullable=False),
+    Column("observation", Text, nullable=False),
+    Column("observation_token_ids", INT4_ARRAY, nullable=False),
+    Column("reward", Float, nullable=False),
+    Column("terminated", Boolean, nullable=False),
+    Column("truncated", Boolean, nullable=False),
+    Column("info", JSONB, nullable=False),
+    Column("step_ms", REAL, nullable=False),
+    Column("superseded", Boolean, nullable=False, server_default=text("false")),
+    Column("produced_at", DateTime(timezone=True), nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_steps_episode", "episode_id", "attempt", "turn_index"),
+)
+
+trajectories = Table(
+    "trajectories",
+    metadata,
+    Column("episode_id", String(128), ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True),
+    Column("batch_id", String(128), nullable=False),
+    Column("group_id", String(160), nullable=False),
+    Column("env", String(128), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("status", String(16), nullable=False, comment="completed | truncated | aborted | failed"),
+    Column("failure_class", String(16)),
+    Column("reward", Float),
+    Column("token_ids", INT4_ARRAY, nullable=False, comment="prompt + sampled + observation ids, in order"),
+    Column("loss_mask", ARRAY(SmallInteger, dimensions=1), nullable=False, comment="1 exactly on sampled ids"),
+    Column("logprobs", REAL_ARRAY, nullable=False, comment="inference logprob at sampled positions, 0 elsewhere"),
+    Column("weight_versions", INT4_ARRAY, nullable=False, comment="per token; -1 on non-sampled positions"),
+    Column("action_ranges", ARRAY(Integer, dimensions=2), nullable=False,
+           comment="[start, end) of each sampled span"),
+    Column("prompt_len", Integer, nullable=False),
+    Column("num_tokens", Integer, nullable=False),
+    Column("num_sampled_tokens", Integer, nullable=False),
+    Column("num_turns", Integer, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_trajectories_batch", "batch_id"),
+    Index("ix_trajectories_group", "group_id"),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("source", String(64), nullable=False, comment="consumer or advisory that gave up on it"),
+    Column("subject", Text, nullable=False),
+    Column("stream_seq", BigInteger),
+    Column("reason", Text, nullable=False),
+    Column("payload", LargeBinary, nullable=False),
+    Column("headers", JSONB),
+    Column("received_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ux_dead_letters_source_seq", "source", "stream_seq", unique=True),
+)
+
+
+def head_revision() -> str:
+    """The Alembic revision this code expects (the newest file in migrations/versions)."""
+    from rollout_ledger.migrations.runner import head
+
+    return head()
+
+
+def create_engine(database_url: str, *, pool_size: int = 5, echo: bool = False) -> AsyncEngine:
+    """An async engine on psycopg 3."""
+    return create_async_engine(database_url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                               echo=echo)
+
+
+async def check_schema(engine: AsyncEngine) -> None:
+    """Refuse to run against a database whose schema is not at this code's head revision."""
+    expected = head_revision()
+    try:
+        async with engine.connect() as conn:
+            exists = (await conn.execute(text("select to_regclass('alembic_version')"))).scalar()
+            current = None
+            if exists is not None:
+                current = (await conn.execute(text("select version_num from alembic_version"))).scalar()
+    except Exception as exc:
+        raise StoreError(f"cannot reach Postgres: {exc}") from exc
+    if current != expected:
+        raise SchemaVersionError(
+            f"database schema is at revision {current or 'none'}, this code needs {expected}: "
+            "run `rollout db upgrade` (or `make migrate`) against this DATABASE_URL first"
+        )
+
+
+def row_dict(row: Any) -> dict[str, Any]:
+    return dict(row._mapping)

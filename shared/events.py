@@ -1,0 +1,322 @@
+"""The event contract: every message a service puts on the bus, as one discriminated union.
+
+Rules (pinned by tests/contract):
+- every event has ``event_id`` (also its ``Nats-Msg-Id``, so a re-publish is deduplicated), ``type``,
+  ``schema_version``, ``episode_id``, ``batch_id``, ``attempt``, ``seq``, ``produced_by`` and ``time``;
+- ``event_id`` is deterministic for a logical event (episode, attempt, position, try), so a producer that
+  retries a publish produces the same id;
+- a breaking change is a new ``type``, never an edit of an existing one; adding an optional field is fine.
+
+``seq`` orders the events of one attempt: started is 0, turn ``t`` is ``2t+1``, its step ``2t+2``, and the
+terminal event is ``2T+1`` where T is the number of turns.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal, TypeVar
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from rollout_ledger.shared.errors import SchemaError
+from rollout_ledger.shared.tokens import Floats, TokenIds
+
+SCHEMA_VERSION = 1
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters passed to the engine for every turn of an episode."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k cut-off; -1 disables it."""
+    max_tokens: int = Field(256, ge=1, le=131072)
+    """New tokens per turn at most (also bounded by the context left)."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings."""
+    seed: int | None = None
+    """Per-request seed, for reproducible sampling."""
+    logprobs: int = Field(0, ge=0, le=20)
+    """Top-k alternatives to record per token besides the sampled one (0: only the sampled token's)."""
+
+
+class FinishReason(enum.StrEnum):
+    """Why the engine stopped generating a turn."""
+
+    STOP = "stop"
+    """End-of-sequence token or a stop string."""
+    LENGTH = "length"
+    """``max_tokens`` or the context limit reached."""
+    ABORT = "abort"
+    """Cancelled before the end."""
+
+
+class TrajectoryStatus(enum.StrEnum):
+    """How an episode's trajectory ended (the status a trainer sees)."""
+
+    COMPLETED = "completed"
+    """The environment terminated the episode."""
+    TRUNCATED = "truncated"
+    """``max_turns`` or the context length cut the episode short."""
+    ABORTED = "aborted"
+    """The environment or agent gave up (e.g. a malformed tool call with abort-on-error)."""
+    FAILED = "failed"
+    """A failure ended the episode; see its failure class."""
+
+
+class FailureClass(enum.StrEnum):
+    """The boundary an episode failure crossed; each has its own retry budget."""
+
+    INFRA = "infra"
+    """A worker process died or the bus/store could not be reached, past its redelivery budget."""
+    INFERENCE = "inference"
+    """No inference worker answered within the retry budget, or the engine rejected the request."""
+    ENV = "env"
+    """The environment raised or answered with an error."""
+    AGENT = "agent"
+    """User agent code raised."""
+    TIMEOUT = "timeout"
+    """The episode ran past its deadline."""
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    event_id: str = Field(min_length=1, max_length=256)
+    """Unique and deterministic per logical event; the ``Nats-Msg-Id`` it is published with."""
+    schema_version: int = SCHEMA_VERSION
+    """Version of this event type's schema."""
+    episode_id: str = Field(min_length=1, max_length=128)
+    """The episode this event belongs to."""
+    batch_id: str = Field(min_length=1, max_length=128)
+    """The batch of the episode."""
+    attempt: int = Field(ge=1)
+    """Delivery attempt of the episode (1 for the first run; a redelivery after a crash is 2, ...)."""
+    seq: int = Field(ge=0)
+    """Position of the event within its attempt (see module docstring)."""
+    produced_by: str = Field(min_length=1)
+    """``service/worker-id`` of the producer."""
+    time: datetime = Field(default_factory=utcnow)
+    """When the producer created the event (UTC)."""
+
+
+class EpisodeRequested(_Event):
+    """Work item: run one episode. Published by the scheduler on the work queue."""
+
+    type: Literal["episode.requested"] = "episode.requested"
+    env: str
+    """Registered environment name."""
+    task: dict[str, Any]
+    """The task handed to ``env.reset``."""
+    group_id: str
+    """GRPO group: the episodes of one task in one batch share it."""
+    group_index: int = Field(ge=0)
+    """Index of this sample within its group."""
+    group_size: int = Field(ge=1)
+    """Samples per task in this batch."""
+    sampling: SamplingParams
+    """Sampling parameters for every turn."""
+    max_turns: int = Field(ge=1)
+    """Turn budget; reaching it truncates the episode."""
+
+
+class EpisodeStarted(_Event):
+    """An env worker reset the environment and rendered the prompt."""
+
+    type: Literal["episode.started"] = "episode.started"
+    env: str
+    worker_id: str
+    """Env worker running this attempt."""
+    prompt_token_ids: TokenIds
+    """The rendered prompt, tokenised once."""
+    prompt_text: str
+    """The chat template's rendering of the initial messages."""
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    """The initial chat messages returned by ``env.reset``."""
+
+
+class InferenceRequested(_Event):
+    """A request for one turn, sent to an inference worker (core NATS request, not stored on the stream)."""
+
+    type: Literal["inference.requested"] = "inference.requested"
+    request_id: str
+    """Unique per try: ``{episode}:{attempt}:t{turn}:r{try}``. Also the event id of the resulting turn."""
+    turn_index: int = Field(ge=0)
+    prompt_token_ids: TokenIds
+    """The whole context so far: prompt ids, sampled ids and observation ids, verbatim."""
+    sampling: SamplingParams
+    max_tokens: int = Field(ge=1)
+    """New tokens allowed for this turn (sampling.max_tokens bounded by the context left)."""
+    reply_seq: int = Field(ge=0)
+    """The ``seq`` the resulting turn event carries."""
+
+
+class TurnGenerated(_Event):
+    """One sampled turn: published by the inference worker and sent back to the requester."""
+
+    type: Literal["turn.generated"] = "turn.generated"
+    request_id: str
+    """The request this answers (equals ``event_id``)."""
+    turn_index: int = Field(ge=0)
+    prompt_len: int = Field(ge=0)
+    """Context length the turn was generated from."""
+    token_ids: TokenIds
+    """The sampled ids, exactly as the engine returned them."""
+    logprobs: Floats
+    """Logprob of each sampled id under the inference engine (same length as ``token_ids``)."""
+    top_logprobs: list[dict[int, float]] | None = None
+    """Optional top-k alternatives per position."""
+    finish_reason: FinishReason
+    weight_version: int
+    """Version of the policy weights that sampled this turn."""
+    engine: str
+    """Engine name (``vllm``, ``fake``)."""
+    worker_id: str
+    """Inference worker that served the request."""
+    queue_ms: float = Field(ge=0)
+    """Time from receipt to the engine starting the request."""
+    generate_ms: float = Field(ge=0)
+    """Time in the engine."""
+    cached_tokens: int | None = None
+    """Prompt tokens served from the engine's prefix cache, when the engine reports it."""
+
+
+class StepCompleted(_Event):
+    """The environment took the turn's action and answered."""
+
+    type: Literal["step.completed"] = "step.completed"
+    turn_index: int = Field(ge=0)
+    turn_event_id: str
+    """The turn (``TurnGenerated.event_id``) whose sampled ids the episode kept."""
+    action: str
+    """The sampled text handed to the environment."""
+    observation: str
+    """Environment text appended after the turn ('' when the episode ends)."""
+    observation_token_ids: TokenIds
+    """Ids the chat template adds after the sampled ids (observation plus template tokens), mask 0."""
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = Field(default_factory=dict)
+    step_ms: float = Field(0.0, ge=0)
+    """Time in ``env.step`` and tokenisation."""
+
+
+class EpisodeFinished(_Event):
+    """The episode ended with a trajectory (completed, truncated or aborted)."""
+
+    type: Literal["episode.finished"] = "episode.finished"
+    status: TrajectoryStatus
+    reward: float
+    num_turns: int = Field(ge=0)
+    """Turns kept; the recorder assembles the trajectory once it has all of them."""
+    num_tokens: int = Field(ge=0)
+    """Length of the full token sequence, for the recorder's completeness check."""
+    stop_reason: str = ""
+    """Why it ended (``terminated``, ``max_turns``, ``context_length``, ...)."""
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+class EpisodeFailed(_Event):
+    """The episode could not finish; it keeps whatever turns it has, marked failed."""
+
+    type: Literal["episode.failed"] = "episode.failed"
+    failure_class: FailureClass
+    reason: str
+    num_turns: int = Field(0, ge=0)
+    retryable: bool = False
+
+
+class EpisodeCancelled(_Event):
+    """The episode's batch was cancelled before or while it ran."""
+
+    type: Literal["episode.cancelled"] = "episode.cancelled"
+    num_turns: int = Field(0, ge=0)
+
+
+Event = Annotated[
+    EpisodeRequested
+    | EpisodeStarted
+    | InferenceRequested
+    | TurnGenerated
+    | StepCompleted
+    | EpisodeFinished
+    | EpisodeFailed
+    | EpisodeCancelled,
+    Field(discriminator="type"),
+]
+"""Any event of the contract."""
+
+TERMINAL_TYPES = frozenset({"episode.finished", "episode.failed", "episode.cancelled"})
+
+_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def encode(event: BaseModel) -> bytes:
+    """JSON bytes of an event (arrays as base64)."""
+    return event.model_dump_json().encode()
+
+
+def decode(data: bytes | str) -> Event:
+    """Parse and validate any event; raises ``SchemaError`` naming what is wrong."""
+    try:
+        return _ADAPTER.validate_json(data)
+    except ValidationError as exc:
+        raise SchemaError(_describe(exc)) from exc
+
+
+def decode_as(data: bytes | str, model: type[_M]) -> _M:
+    """Parse an event that must be of one type."""
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as exc:
+        raise SchemaError(_describe(exc)) from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def event_schemas() -> dict[str, dict[str, Any]]:
+    """JSON schema of each event type, keyed by ``type`` (pinned by the contract tests)."""
+    out: dict[str, dict[str, Any]] = {}
+    for model in (
+        EpisodeRequested,
+        EpisodeStarted,
+        InferenceRequested,
+        TurnGenerated,
+        StepCompleted,
+        EpisodeFinished,
+        EpisodeFailed,
+        EpisodeCancelled,
+    ):
+        type_name = model.model_fields["type"].default
+        out[type_name] = model.model_json_schema()
+    return out
+
+
+def dumps(obj: Any) -> bytes:
+    """orjson with numpy support, for non-event payloads (heartbeats, KV values)."""
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def empty_ids() -> np.ndarray:
+    return np.zeros(0, dtype="<i4")

@@ -1,0 +1,120 @@
+"""Process plumbing every service shares: the ops HTTP app (/healthz, /readyz, /metrics), uvicorn, SIGTERM.
+
+A service builds its own ``CollectorRegistry`` (no import-time globals), mounts its routes on the app
+returned by ``ops_app`` and runs until ``Shutdown.event`` is set by SIGTERM/SIGINT, then drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from rollout_ledger.shared.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Health:
+    """Liveness is the process answering; readiness is ``ready`` and every check returning True."""
+
+    ready: bool = False
+    checks: dict[str, Callable[[], bool]] = field(default_factory=dict)
+    draining: bool = False
+
+    def status(self) -> tuple[bool, dict[str, bool]]:
+        results = {name: bool(check()) for name, check in self.checks.items()}
+        ok = self.ready and not self.draining and all(results.values())
+        return ok, results
+
+
+def ops_app(service: str, health: Health, registry: CollectorRegistry, app: FastAPI | None = None) -> FastAPI:
+    """Add /healthz, /readyz and /metrics to ``app`` (a new FastAPI app when None)."""
+    app = app or FastAPI(title=f"rollout-ledger {service}", docs_url=None, redoc_url=None)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, Any]:
+        ok, checks = health.status()
+        return {"service": service, "alive": True, "ready": ok, "draining": health.draining, "checks": checks}
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz(response: Response) -> dict[str, Any]:
+        ok, checks = health.status()
+        if not ok:
+            response.status_code = 503
+        return {"service": service, "ready": ok, "checks": checks}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class HttpServer:
+    """uvicorn inside the service's event loop; ``port`` is the bound port (also when asked for 0)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own signals
+        self._task: asyncio.Task[None] | None = None
+        self.port = port
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("HTTP server stopped during start")
+            await asyncio.sleep(0.02)
+        for srv in self.server.servers:
+            for sock in srv.sockets:
+                self.port = int(sock.getsockname()[1])
+                return
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, timeout=10)
+
+
+class Shutdown:
+    """Set by SIGTERM or SIGINT; services stop taking work and drain when it is set."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log.info("service.signal", signal=sig.name)
+        self.event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
+async def sleep_or_shutdown(shutdown: Shutdown, seconds: float) -> bool:
+    """Sleep up to ``seconds``; True when shutdown was requested meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(shutdown.event.wait(), timeout=seconds)
+    return shutdown.requested

@@ -1,0 +1,63 @@
+"""Settings every service shares (bus, store, model, logging); each service subclasses ``BaseServiceSettings``.
+
+All settings come from environment variables, documented in docs/configuration.md. ``NATS_URL`` and
+``DATABASE_URL`` are read without a prefix; everything else is ``ROLLOUT_<NAME>``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_model_dir() -> Path:
+    """Where ``rollout model fetch`` caches the converted SmolLM2-135M-Instruct."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rollout-ledger" / "models" / "SmolLM2-135M-Instruct"
+
+
+def normalize_database_url(url: str) -> str:
+    """Accept ``postgres://`` / ``postgresql://`` and use the psycopg 3 driver."""
+    for prefix in ("postgres://", "postgresql://", "postgresql+psycopg2://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+class BaseServiceSettings(BaseSettings):
+    """Settings shared by every service."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", extra="ignore", populate_by_name=True)
+
+    nats_url: str = Field("nats://127.0.0.1:4222", validation_alias=AliasChoices("NATS_URL", "ROLLOUT_NATS_URL"))
+    """NATS server(s), comma-separated."""
+    database_url: str = Field(
+        "postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
+        validation_alias=AliasChoices("DATABASE_URL", "ROLLOUT_DATABASE_URL"),
+    )
+    """Postgres DSN (``postgres://`` is accepted and normalised to psycopg 3)."""
+    log_level: str = "INFO"
+    """Log level (JSON logs unless ROLLOUT_LOG_FORMAT=console)."""
+    log_format: str = "auto"
+    """``json``, ``console`` or ``auto`` (console on a TTY)."""
+    worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    """Identity of this process in events and metrics (defaults to host-pid)."""
+    http_host: str = "0.0.0.0"
+    """Address the service's HTTP server (health, metrics, API) binds."""
+    http_port: int = 8000
+    """Port of the HTTP server; 0 picks a free one."""
+    model: str = Field(default_factory=lambda: str(default_model_dir()))
+    """Hugging Face model directory (or hub id where a hub is reachable); tokenizer and template come from it."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight work may take to finish before the process exits."""
+    nats_connect_timeout_s: float = 2.0
+    """Bounded connect timeout (nats-py's default takes minutes to fail)."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalize_db(cls, v: str) -> str:
+        return normalize_database_url(v)

@@ -1,0 +1,94 @@
+"""Subjects, streams, consumers and buckets: the one place names and stream policies are declared.
+
+The k8s manifests and docs/architecture.md follow these names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# --- work queue: one message per episode to run -------------------------------------------------
+WORK_STREAM = "RL_WORK"
+WORK_SUBJECT = "rl.work.episodes"
+WORK_CONSUMER = "env-workers"
+
+# --- event log: everything that happened, replayable ---------------------------------------------
+EVENTS_STREAM = "RL_EVENTS"
+EVENTS_SUBJECT_PREFIX = "rl.events"
+RECORDER_CONSUMER = "recorder"
+
+
+def event_subject(event_type: str) -> str:
+    """``rl.events.<type>``, e.g. ``rl.events.turn.generated``."""
+    return f"{EVENTS_SUBJECT_PREFIX}.{event_type}"
+
+
+# --- inference: core NATS request/reply ----------------------------------------------------------
+INFER_ANY = "rl.infer.any"
+"""Any inference worker (queue group ``INFER_QUEUE``)."""
+INFER_QUEUE = "inference"
+INFER_HEARTBEAT = "rl.infer.heartbeat"
+"""Inference workers announce themselves and their load here every ``heartbeat_s``."""
+
+
+def infer_worker_subject(worker_id: str) -> str:
+    """The subject that reaches one inference worker (session-sticky routing)."""
+    return f"rl.infer.worker.{worker_id}"
+
+
+# --- key-value buckets --------------------------------------------------------------------------
+ENVS_BUCKET = "rl_envs"
+"""Env name -> description, written by env workers at start; read by the scheduler."""
+CANCEL_BUCKET = "rl_cancelled"
+"""Cancelled batch ids, written by the scheduler; watched by env workers."""
+
+# --- advisories ---------------------------------------------------------------------------------
+WORK_MAX_DELIVERIES_ADVISORY = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{WORK_STREAM}.{WORK_CONSUMER}"
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A JetStream stream as declared by this project."""
+
+    name: str
+    subjects: list[str]
+    retention: str
+    """``workqueue`` or ``limits``."""
+    max_age_s: float
+    duplicate_window_s: float = 120.0
+    max_msg_size: int = 8 * 1024 * 1024
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable pull consumer and its ack policy."""
+
+    stream: str
+    durable: str
+    filter_subject: str
+    ack_wait_s: float
+    max_deliver: int
+    """-1 for unlimited."""
+    max_ack_pending: int
+    description: str = ""
+    backoff_s: list[float] = field(default_factory=list)
+
+
+STREAMS = (
+    StreamSpec(
+        WORK_STREAM,
+        [WORK_SUBJECT],
+        "workqueue",
+        max_age_s=7 * 24 * 3600,
+        description="episodes waiting for an env worker",
+    ),
+    StreamSpec(
+        EVENTS_STREAM,
+        [f"{EVENTS_SUBJECT_PREFIX}.>"],
+        "limits",
+        max_age_s=7 * 24 * 3600,
+        description="the durable event log of every episode",
+    ),
+)
+
