@@ -1,9 +1,10 @@
-"""Wire encoding of token-id and logprob arrays: little-endian binary, base64 inside JSON events.
+"""Encoding of token-id and logprob arrays: little-endian binary on the bus, base64 in JSON views.
 
-Token arrays travel on every turn. A JSON list of ints costs several times more to encode, send and
-parse than the same ids packed as int32 bytes (see docs/benchmarks.md, "wire encoding"), and the recorder
-wants numpy arrays for COPY anyway. On the wire an array is the base64 of its little-endian bytes; in
-Python it is a read-only ``numpy.ndarray`` (int32 for ids, float32 for logprobs).
+Token arrays travel on every turn (an inference request carries the whole context). Measured in
+docs/benchmarks.md ("wire encoding"): JSON int lists cost 4-40x more to encode and validate than raw int32
+bytes in a msgpack envelope, and the gap grows with the context. So on the bus an array is its
+little-endian bytes (msgpack ``bin``); in JSON (HTTP views, docs) it is the base64 of those bytes; in Python it
+is a ``numpy.ndarray`` (int32 for ids, float32 for logprobs).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import PlainSerializer, PlainValidator, WithJsonSchema
+from pydantic import PlainSerializer, PlainValidator, SerializationInfo, WithJsonSchema
 
 _INT = np.dtype("<i4")
 _FLOAT = np.dtype("<f4")
@@ -52,18 +53,25 @@ def encode_array(arr: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")
 
 
+def _serialize(arr: np.ndarray, info: SerializationInfo) -> str | bytes:
+    """JSON mode: base64 text; python mode (the msgpack bus encoding): raw little-endian bytes."""
+    if info.mode_is_json():
+        return encode_array(arr)
+    return np.ascontiguousarray(arr).tobytes()
+
+
 TokenIds = Annotated[
     np.ndarray,
     PlainValidator(decode_ids),
-    PlainSerializer(encode_array, when_used="json"),
+    PlainSerializer(_serialize, when_used="always"),
     WithJsonSchema({"type": "string", "contentEncoding": "base64", "description": "int32 little-endian token ids"}),
 ]
-"""Token ids: int32 array in Python, base64 of little-endian int32 on the wire."""
+"""Token ids: int32 array in Python, little-endian int32 bytes on the bus, base64 in JSON."""
 
 Floats = Annotated[
     np.ndarray,
     PlainValidator(decode_floats),
-    PlainSerializer(encode_array, when_used="json"),
+    PlainSerializer(_serialize, when_used="always"),
     WithJsonSchema({"type": "string", "contentEncoding": "base64", "description": "float32 little-endian values"}),
 ]
-"""Per-token floats (logprobs): float32 array in Python, base64 of little-endian float32 on the wire."""
+"""Per-token floats (logprobs): float32 array in Python, little-endian bytes on the bus, base64 in JSON."""
