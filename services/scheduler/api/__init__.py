@@ -1,0 +1,1 @@
+"""The scheduler's HTTP routes (one module per resource) and their dependencies."""

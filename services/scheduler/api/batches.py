@@ -1,0 +1,215 @@
+"""Routes of /v1/batches: submit a batch (idempotent with a client batch id), read its progress, cancel it."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Response, status
+from rollout_ledger.services.scheduler import envs, store
+from rollout_ledger.services.scheduler.api.deps import AuthDep, ResourcesDep, StateDep
+from rollout_ledger.services.scheduler.planning import (
+    BatchRunSpec,
+    new_batch_id,
+    plan_episodes,
+    request_hash,
+    task_size,
+)
+from rollout_ledger.services.scheduler.schemas import (
+    BatchCancelPublic,
+    BatchCreate,
+    BatchCreatedPublic,
+    BatchPublic,
+    ErrorPublic,
+)
+from rollout_ledger.services.scheduler.state import Resources
+from rollout_ledger.shared.logging import get_logger
+from structlog.contextvars import bound_contextvars
+
+log = get_logger(__name__)
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+
+def _status_url(batch_id: str) -> str:
+    return f"/v1/batches/{batch_id}"
+
+
+def _not_found(batch_id: str) -> HTTPException:
+    return HTTPException(status.HTTP_404_NOT_FOUND, f"unknown batch {batch_id!r}")
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    dependencies=[AuthDep],
+    responses={
+        200: {"model": BatchCreatedPublic, "description": "The batch existed with the same request"},
+        400: {"model": ErrorPublic, "description": "Unknown env (the message lists the known ones)"},
+        401: {"model": ErrorPublic, "description": "Missing or wrong bearer token"},
+        409: {"model": ErrorPublic, "description": "The batch id exists with a different request"},
+        413: {"model": ErrorPublic, "description": "Too many episodes, or a task too large"},
+    },
+)
+async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, response: Response) -> BatchCreatedPublic:
+    """Store the batch and one episode per (task, sample) in one transaction, then publish their work items."""
+    settings = state.settings
+    num_episodes = len(body.tasks) * body.group_size
+    if num_episodes > settings.max_batch_episodes:
+        raise HTTPException(
+            status.HTTP_413_CONTENT_TOO_LARGE,
+            f"batch has {len(body.tasks)} tasks x group_size {body.group_size} = {num_episodes} episodes; "
+            f"the limit is {settings.max_batch_episodes} (ROLLOUT_MAX_BATCH_EPISODES): split it",
+        )
+    for i, task in enumerate(body.tasks):
+        size = task_size(task)
+        if size > settings.max_task_bytes:
+            raise HTTPException(
+                status.HTTP_413_CONTENT_TOO_LARGE,
+                f"tasks[{i}] is {size} bytes as JSON; the limit is {settings.max_task_bytes} (ROLLOUT_MAX_TASK_BYTES)",
+            )
+    rhash = request_hash(body)
+    batch_id = body.batch_id or new_batch_id()
+    with bound_contextvars(batch_id=batch_id):
+        if body.batch_id is not None:
+            with store.store_errors("read batch"):
+                async with res.engine.connect() as conn:
+                    existing = await store.get_batch(conn, batch_id)
+            if existing is not None:
+                return await _replay(res, existing, rhash, response)
+        if settings.require_registered_env and not await envs.is_registered(res.envs_kv, body.env):
+            known = await envs.env_names(res.envs_kv)
+            listed = ", ".join(known) if known else "none registered yet (start an env worker)"
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown env {body.env!r}; known envs: {listed}")
+
+        planned = plan_episodes(batch_id, body.env, body.tasks, body.group_size)
+        batch_row: dict[str, Any] = {
+            "id": batch_id,
+            "env": body.env,
+            "group_size": body.group_size,
+            "max_turns": body.max_turns,
+            "sampling": body.sampling.model_dump(mode="json"),
+            "num_tasks": len(body.tasks),
+            "num_episodes": num_episodes,
+            "request_hash": rhash,
+            "metadata": body.metadata,
+        }
+        t0 = time.perf_counter()
+        with store.store_errors("insert batch"):
+            async with res.engine.begin() as conn:
+                created_at = await store.insert_batch(conn, batch_row, planned)
+        t1 = time.perf_counter()
+        if created_at is None:  # a concurrent request with the same batch id won the insert
+            with store.store_errors("read batch"):
+                async with res.engine.connect() as conn:
+                    existing = await store.get_batch(conn, batch_id)
+            if existing is None:
+                raise HTTPException(status.HTTP_409_CONFLICT, f"batch {batch_id!r} was created and removed meanwhile")
+            return await _replay(res, existing, rhash, response)
+
+        state.metrics.batches_submitted.inc()
+        state.metrics.episodes_submitted.inc(num_episodes)
+        spec = BatchRunSpec(body.env, body.group_size, body.max_turns, body.sampling)
+        published = await res.publisher.publish(planned, spec, source="submit")
+        log.info("batch.submitted", env=body.env, num_tasks=len(body.tasks), num_episodes=num_episodes,
+                 published=published, insert_ms=round((t1 - t0) * 1000, 1),
+                 publish_ms=round((time.perf_counter() - t1) * 1000, 1))
+        response.status_code = status.HTTP_201_CREATED
+        return BatchCreatedPublic(
+            batch_id=batch_id,
+            created=True,
+            env=body.env,
+            num_tasks=len(body.tasks),
+            group_size=body.group_size,
+            num_episodes=num_episodes,
+            request_hash=rhash,
+            episode_ids=[ep.id for ep in planned],
+            num_published=published,
+            status_url=_status_url(batch_id),
+            created_at=created_at,
+        )
+
+
+async def _replay(res: Resources, existing: dict[str, Any], rhash: str, response: Response) -> BatchCreatedPublic:
+    """A repeated POST: 409 when the request differs, else the stored batch (publishing what is still unpublished)."""
+    batch_id = str(existing["id"])
+    if existing["request_hash"] != rhash:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"batch {batch_id!r} already exists with a different request (request_hash {existing['request_hash']}, "
+            f"this request {rhash}); repeat the original request or use a new batch_id",
+        )
+    republished = await res.publisher.publish_pending(batch_id)
+    with store.store_errors("read batch"):
+        async with res.engine.connect() as conn:
+            ids = await store.episode_ids_of(conn, batch_id)
+            stats = await store.batch_stats(conn, batch_id)
+    log.info("batch.replayed", republished=republished)
+    response.status_code = status.HTTP_200_OK
+    return BatchCreatedPublic(
+        batch_id=batch_id,
+        created=False,
+        env=existing["env"],
+        num_tasks=existing["num_tasks"],
+        group_size=existing["group_size"],
+        num_episodes=existing["num_episodes"],
+        request_hash=rhash,
+        episode_ids=ids,
+        num_published=stats.num_published,
+        status_url=_status_url(batch_id),
+        created_at=existing["created_at"],
+    )
+
+
+@router.get("/{batch_id}", responses={404: {"model": ErrorPublic}})
+async def get_batch(batch_id: str, res: ResourcesDep) -> BatchPublic:
+    """Episodes per status, trajectories stored, mean reward of finished episodes, and whether all are done."""
+    with store.store_errors("read batch"):
+        async with res.engine.connect() as conn:
+            batch = await store.get_batch(conn, batch_id)
+            if batch is None:
+                raise _not_found(batch_id)
+            counts = await store.status_counts(conn, batch_id)
+            stats = await store.batch_stats(conn, batch_id)
+    return BatchPublic(
+        batch_id=batch_id,
+        env=batch["env"],
+        group_size=batch["group_size"],
+        sampling=batch["sampling"],
+        max_turns=batch["max_turns"],
+        metadata=batch["metadata"],
+        num_tasks=batch["num_tasks"],
+        num_episodes=batch["num_episodes"],
+        counts=counts,
+        num_published=stats.num_published,
+        num_trajectories=stats.num_trajectories,
+        mean_reward=stats.mean_reward,
+        done=store.is_done(counts),
+        created_at=batch["created_at"],
+        cancelled_at=batch["cancelled_at"],
+    )
+
+
+@router.post(
+    "/{batch_id}/cancel",
+    dependencies=[AuthDep],
+    responses={401: {"model": ErrorPublic}, 404: {"model": ErrorPublic}},
+)
+async def cancel_batch(batch_id: str, res: ResourcesDep) -> BatchCancelPublic:
+    """Cancel a batch (idempotent): waiting episodes become cancelled; env workers end running ones between turns."""
+    with bound_contextvars(batch_id=batch_id):
+        with store.store_errors("read batch"):
+            async with res.engine.connect() as conn:
+                batch = await store.get_batch(conn, batch_id)
+        if batch is None:
+            raise _not_found(batch_id)
+        # Tell the env workers first: a worker that takes a waiting episode after this point sees the cancel.
+        await envs.mark_cancelled(res.cancel_kv, batch_id, batch["cancelled_at"] or datetime.now(UTC))
+        with store.store_errors("cancel batch"):
+            async with res.engine.begin() as conn:
+                cancelled_at, moved = await store.cancel_batch(conn, batch_id)
+            async with res.engine.connect() as conn:
+                counts = await store.status_counts(conn, batch_id)
+        log.info("batch.cancelled", cancelled_now=moved)
+        return BatchCancelPublic(batch_id=batch_id, cancelled_at=cancelled_at, cancelled_now=moved, counts=counts)

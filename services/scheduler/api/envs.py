@@ -1,0 +1,16 @@
+"""Route /v1/envs: the environments env workers registered in the KV bucket ``rl_envs``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from rollout_ledger.services.scheduler import envs
+from rollout_ledger.services.scheduler.api.deps import ResourcesDep
+from rollout_ledger.services.scheduler.schemas import EnvListPublic
+
+router = APIRouter(prefix="/v1/envs", tags=["envs"])
+
+
+@router.get("")
+async def list_envs(res: ResourcesDep) -> EnvListPublic:
+    """Every env some env worker registered (name, description, multi_turn, example_task, registered_by)."""
+    return EnvListPublic(envs=await envs.list_envs(res.envs_kv))

@@ -1,0 +1,174 @@
+"""The scheduler's FastAPI app factory: lifespan (NATS, Postgres, schema check, outbox), routes, errors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from rollout_ledger.services.scheduler.api import batches, episodes
+from rollout_ledger.services.scheduler.api import envs as envs_api
+from rollout_ledger.services.scheduler.metrics import SchedulerMetrics, create_metrics
+from rollout_ledger.services.scheduler.publisher import Publisher
+from rollout_ledger.services.scheduler.settings import SchedulerSettings
+from rollout_ledger.services.scheduler.state import Resources, SchedulerState
+from rollout_ledger.services.scheduler.trajectory_view import TokenizerCache
+from rollout_ledger.shared import bus
+from rollout_ledger.shared.db import check_schema, create_engine
+from rollout_ledger.shared.errors import BusError, StoreError
+from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.runtime import Health, ops_app
+from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = get_logger(__name__)
+
+SERVICE = "scheduler"
+
+
+@contextlib.asynccontextmanager
+async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Connect NATS and Postgres (refusing an old schema), run the outbox; on exit stop it and close the clients."""
+    state: SchedulerState = app.state.scheduler
+    settings = state.settings
+    nc: bus.NATS | None = None
+    engine = None
+    try:
+        engine = create_engine(settings.database_url, pool_size=settings.db_pool_size)
+        await check_schema(engine)
+        nc = await bus.connect(settings.nats_url, name=f"scheduler-{settings.worker_id}",
+                               connect_timeout_s=settings.nats_connect_timeout_s,
+                               initial_wait_s=settings.nats_initial_wait_s)
+        js = nc.jetstream()
+        try:
+            await bus.ensure_topology(js)
+            envs_kv = await js.key_value(ENVS_BUCKET)
+            cancel_kv = await js.key_value(CANCEL_BUCKET)
+        except Exception as exc:  # nats-py API errors and timeouts share no base class
+            raise BusError(f"cannot declare the streams and buckets: {exc}") from exc
+    except Exception as exc:
+        state.startup_error = exc
+        log.error("scheduler.start_refused", error=str(exc), error_type=type(exc).__name__)
+        await bus.close(nc)
+        if engine is not None:
+            await engine.dispose()
+        raise
+    publisher = Publisher(js, engine, settings, state.metrics)
+    state.resources = Resources(nc, js, engine, envs_kv, cancel_kv, publisher)
+    state.db_ok = True
+    state.health.checks["nats"] = lambda: nc.is_connected
+    state.health.checks["postgres"] = lambda: state.db_ok
+
+    def _on_pass(ok: bool) -> None:
+        state.db_ok = ok
+
+    stop = asyncio.Event()
+    outbox = asyncio.create_task(publisher.run_outbox(stop, _on_pass), name="scheduler-outbox")
+    state.health.ready = True
+    log.info("scheduler.ready")
+    try:
+        yield
+    finally:
+        state.health.ready = False
+        stop.set()
+        try:
+            await asyncio.wait_for(outbox, timeout=settings.drain_timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            outbox.cancel()
+        state.resources = None
+        await bus.close(nc)
+        await engine.dispose()
+        log.info("scheduler.stopped")
+
+
+def _route_label(scope: Scope) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return str(path) if path else "unmatched"
+
+
+class _MetricsMiddleware:
+    """Counts requests by method, route template and status, and observes their latency."""
+
+    def __init__(self, app: ASGIApp, metrics: SchedulerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status_code = 500
+
+        async def _send(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _send)
+        finally:
+            route = _route_label(scope)
+            method = str(scope.get("method", ""))
+            self.metrics.http_requests.labels(method, route, str(status_code)).inc()
+            self.metrics.http_latency.labels(method, route).observe(time.perf_counter() - started)
+
+
+def describe_validation_errors(errors: Any) -> tuple[list[dict[str, Any]], str]:
+    """Per error: its location, the dotted field (without body/query/path) and the reason; and one summary line."""
+    detail: list[dict[str, Any]] = []
+    parts: list[str] = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ())]
+        field = ".".join(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc) or "body"
+        detail.append({"loc": loc, "field": field, "msg": err.get("msg", ""), "type": err.get("type", "")})
+        parts.append(f"{field}: {err.get('msg', '')}")
+    return detail, "; ".join(parts[:10])
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """422 naming each field and the reason (without echoing the input, which may be a huge task list)."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    detail, message = describe_validation_errors(errors)
+    return JSONResponse({"detail": detail, "message": message}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """503: NATS or Postgres failed; the request may be retried (POSTs with a batch_id are idempotent)."""
+    log.warning("request.dependency_failed", path=request.url.path, error=str(exc), error_type=type(exc).__name__)
+    return JSONResponse({"detail": f"{exc} (retry later)"}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+
+
+def create_app(settings: SchedulerSettings, *, with_lifespan: bool = True) -> FastAPI:
+    """A scheduler app; its lifespan connects NATS and Postgres (refusing an old schema) and runs the outbox.
+
+    ``with_lifespan=False`` leaves ``scheduler_lifespan`` to the caller (``main.run`` enters it around the
+    server so a refusal to start becomes a clean exit code instead of uvicorn's ``SystemExit(3)``).
+    """
+    metrics = create_metrics()
+    health = Health()
+    app = FastAPI(
+        title="Rollout Ledger scheduler",
+        summary="Submit batches of RL episodes, follow them, cancel them, read their token-exact trajectories.",
+        version="1",
+        lifespan=scheduler_lifespan if with_lifespan else None,
+    )
+    app.state.scheduler = SchedulerState(
+        settings=settings, health=health, metrics=metrics, tokenizers=TokenizerCache(settings.model)
+    )
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StoreError, _unavailable)
+    app.add_exception_handler(BusError, _unavailable)
+    app.include_router(batches.router)
+    app.include_router(episodes.router)
+    app.include_router(envs_api.router)
+    ops_app(SERVICE, health, metrics.registry, app)
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    return app

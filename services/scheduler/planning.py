@@ -1,0 +1,117 @@
+"""Pure batch planning: the canonical request and its hash, the ids of a batch's episodes, and their work items."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from rollout_ledger.services.scheduler.schemas import BatchCreate
+from rollout_ledger.shared.events import EpisodeRequested, SamplingParams
+
+
+def new_batch_id() -> str:
+    """A generated batch id (``uuid4().hex``)."""
+    return uuid.uuid4().hex
+
+
+def group_id(batch_id: str, task_index: int) -> str:
+    return f"{batch_id}.{task_index}"
+
+
+def episode_id(batch_id: str, task_index: int, group_index: int) -> str:
+    return f"{batch_id}.{task_index}.{group_index}"
+
+
+def requested_event_id(ep_id: str) -> str:
+    """The work item's event id (and ``Nats-Msg-Id``), the same on every republish."""
+    return f"{ep_id}:requested"
+
+
+def canonical_request(req: BatchCreate) -> bytes:
+    """The request as canonical JSON (sorted keys, defaults filled in, without ``batch_id``)."""
+    body = req.model_dump(mode="json", exclude={"batch_id"})
+    return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+
+
+def request_hash(req: BatchCreate) -> str:
+    """sha256 hex of the canonical request: equal for the same request whatever its key order or omitted defaults."""
+    return hashlib.sha256(canonical_request(req)).hexdigest()
+
+
+def task_size(task: dict[str, Any]) -> int:
+    """Bytes of a task's JSON encoding (it travels inside one work item)."""
+    return len(orjson.dumps(task))
+
+
+@dataclass(frozen=True)
+class PlannedEpisode:
+    """One episode of a batch: its ids and its task."""
+
+    id: str
+    batch_id: str
+    group_id: str
+    task_index: int
+    group_index: int
+    env: str
+    task: dict[str, Any]
+
+    def row(self) -> dict[str, Any]:
+        """The ``episodes`` row to insert (status and timestamps from the column defaults)."""
+        return {
+            "id": self.id,
+            "batch_id": self.batch_id,
+            "group_id": self.group_id,
+            "task_index": self.task_index,
+            "group_index": self.group_index,
+            "env": self.env,
+            "task": self.task,
+        }
+
+
+def plan_episodes(batch_id: str, env: str, tasks: list[dict[str, Any]], group_size: int) -> list[PlannedEpisode]:
+    """Every (task, sample) of a batch, task-major, with ids per the project's id scheme."""
+    return [
+        PlannedEpisode(
+            id=episode_id(batch_id, t, g),
+            batch_id=batch_id,
+            group_id=group_id(batch_id, t),
+            task_index=t,
+            group_index=g,
+            env=env,
+            task=task,
+        )
+        for t, task in enumerate(tasks)
+        for g in range(group_size)
+    ]
+
+
+@dataclass(frozen=True)
+class BatchRunSpec:
+    """What every work item of a batch shares."""
+
+    env: str
+    group_size: int
+    max_turns: int
+    sampling: SamplingParams
+
+
+def work_item(ep: PlannedEpisode, spec: BatchRunSpec, produced_by: str) -> EpisodeRequested:
+    """The ``EpisodeRequested`` work item of an episode (attempt 1, seq 0; the delivery count sets the attempt)."""
+    return EpisodeRequested(
+        event_id=requested_event_id(ep.id),
+        episode_id=ep.id,
+        batch_id=ep.batch_id,
+        attempt=1,
+        seq=0,
+        produced_by=produced_by,
+        env=spec.env,
+        task=ep.task,
+        group_id=ep.group_id,
+        group_index=ep.group_index,
+        group_size=spec.group_size,
+        sampling=spec.sampling,
+        max_turns=spec.max_turns,
+    )

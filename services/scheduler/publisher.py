@@ -1,0 +1,152 @@
+"""Puts episodes' work items on the work queue and records ``published_at``; the outbox republishes what was missed.
+
+The batch and its episodes are committed before anything is published, so a crash between commit and publish
+loses nothing: episodes still ``requested`` with ``published_at`` NULL are republished by the outbox loop.
+Work items carry a deterministic ``Nats-Msg-Id``, so a republish within the stream's duplicate window is
+dropped by JetStream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rollout_ledger.services.scheduler import store
+from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
+from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode, work_item
+from rollout_ledger.services.scheduler.settings import SchedulerSettings
+from rollout_ledger.shared.bus import JetStreamContext, msg_id_headers
+from rollout_ledger.shared.errors import BusError, StoreError
+from rollout_ledger.shared.events import EpisodeRequested, encode
+from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.subjects import WORK_SUBJECT
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """Episode ids whose work item the stream acked, and how many were not acked."""
+
+    acked: list[str]
+    failed: int
+    error: str | None = None
+
+
+async def publish_work_items(
+    js: JetStreamContext, items: Sequence[EpisodeRequested], timeout_s: float
+) -> PublishResult:
+    """Publish work items with ``publish_async`` and wait for their acks together (at most ``timeout_s``)."""
+    if not items:
+        return PublishResult([], 0)
+    futures: list[tuple[str, asyncio.Future[object]]] = []
+    error: str | None = None
+    for ev in items:
+        try:
+            fut = await js.publish_async(
+                WORK_SUBJECT, encode(ev), wait_stall=timeout_s, headers=msg_id_headers(ev.event_id)
+            )
+        except Exception as exc:  # nats-py raises unrelated types (closed connection, stalled, ...)
+            error = f"{type(exc).__name__}: {exc}"
+            break
+        futures.append((ev.episode_id, fut))
+    if futures:
+        _, pending = await asyncio.wait([f for _, f in futures], timeout=timeout_s)
+        for fut in pending:
+            fut.cancel()  # releases nats-py's pending-publish slot
+        if pending and error is None:
+            error = f"{len(pending)} publishes not acked within {timeout_s}s"
+    acked: list[str] = []
+    for ep_id, fut in futures:
+        if fut.cancelled():
+            continue
+        failure = fut.exception()
+        if failure is None:
+            acked.append(ep_id)
+        elif error is None:
+            error = f"{type(failure).__name__}: {failure}"
+    return PublishResult(acked, len(items) - len(acked), error)
+
+
+class Publisher:
+    """Publishes work items for stored episodes and stamps ``published_at`` chunk by chunk."""
+
+    def __init__(self, js: JetStreamContext, engine: AsyncEngine, settings: SchedulerSettings,
+                 metrics: SchedulerMetrics) -> None:
+        self.js = js
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.produced_by = f"scheduler/{settings.worker_id}"
+
+    async def publish(self, planned: Sequence[PlannedEpisode], spec: BatchRunSpec, source: str) -> int:
+        """Publish the episodes' work items; returns how many were acked (the rest are left to the outbox)."""
+        published = 0
+        chunk = self.settings.publish_chunk
+        for start in range(0, len(planned), chunk):
+            items = [work_item(ep, spec, self.produced_by) for ep in planned[start : start + chunk]]
+            result = await publish_work_items(self.js, items, self.settings.publish_timeout_s)
+            if result.acked:
+                try:
+                    with store.store_errors("stamp published_at"):
+                        async with self.engine.begin() as conn:
+                            await store.mark_published(conn, result.acked)
+                except StoreError as exc:
+                    # The work items are on the queue; the outbox may republish them (deduplicated by id).
+                    log.warning("publish.stamp_failed", episodes=len(result.acked), error=str(exc))
+            published += len(result.acked)
+            self.metrics.episodes_published.labels(source).inc(len(result.acked))
+            if result.failed:
+                self.metrics.publish_failures.inc(result.failed)
+                log.warning("publish.incomplete", acked=len(result.acked), failed=result.failed, error=result.error)
+                break
+        return published
+
+    async def publish_pending(self, batch_id: str) -> int:
+        """Publish the batch's episodes that are still waiting for their work item (idempotent replays)."""
+        with store.store_errors("read unpublished episodes"):
+            async with self.engine.connect() as conn:
+                rows = await store.unpublished(conn, batch_id=batch_id, limit=self.settings.max_batch_episodes)
+        if not rows:
+            return 0
+        return await self.publish([ep for ep, _ in rows], rows[0][1], source="replay")
+
+    async def republish_once(self) -> int:
+        """One outbox pass: republish up to ``republish_limit`` forgotten episodes, locked against other replicas."""
+        with store.store_errors("outbox pass"):
+            async with self.engine.begin() as conn:
+                rows = await store.unpublished(
+                    conn, min_age_s=self.settings.republish_grace_s, limit=self.settings.republish_limit, lock=True
+                )
+                if not rows:
+                    return 0
+                items = [work_item(ep, spec, self.produced_by) for ep, spec in rows]
+                result = await publish_work_items(self.js, items, self.settings.publish_timeout_s)
+                await store.mark_published(conn, result.acked)
+        self.metrics.episodes_published.labels("outbox").inc(len(result.acked))
+        self.metrics.episodes_republished.inc(len(result.acked))
+        if result.failed:
+            self.metrics.publish_failures.inc(result.failed)
+            raise BusError(f"outbox: {result.failed} of {len(items)} work items not published: {result.error}")
+        log.info("outbox.republished", episodes=len(result.acked))
+        return len(result.acked)
+
+    async def run_outbox(self, stop: asyncio.Event, on_pass: Callable[[bool], None] | None = None) -> None:
+        """Every ``republish_interval_s`` until ``stop``: republish forgotten episodes (and report DB health)."""
+        while not stop.is_set():
+            ok = True
+            try:
+                while await self.republish_once() >= self.settings.republish_limit and not stop.is_set():
+                    pass
+            except StoreError as exc:
+                ok = False
+                log.warning("outbox.store_error", error=str(exc))
+            except BusError as exc:
+                log.warning("outbox.bus_error", error=str(exc))
+            if on_pass is not None:
+                on_pass(ok)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.settings.republish_interval_s)

@@ -1,0 +1,226 @@
+"""HTTP request and response models of the scheduler API, kept apart from the bus events of shared/events.py.
+
+Families follow full-stack-fastapi-template: ``*Base`` holds the shared fields, ``*Create`` what a client
+sends, ``*Public`` what the API returns.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from rollout_ledger.shared.events import SamplingParams
+
+BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class BatchBase(BaseModel):
+    """What defines how every episode of a batch runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: str = Field(min_length=1, max_length=128, examples=["countdown"])
+    """Registered environment name (see GET /v1/envs)."""
+    group_size: int = Field(1, ge=1)
+    """Samples per task (a GRPO group)."""
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    """Sampling parameters for every turn."""
+    max_turns: int = Field(1, ge=1, le=10000)
+    """Turn budget per episode; reaching it truncates the episode."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    """Free-form client data stored with the batch."""
+
+
+class BatchCreate(BatchBase):
+    """POST /v1/batches: tasks inline; a client-supplied ``batch_id`` makes the request idempotent."""
+
+    tasks: list[dict[str, Any]] = Field(min_length=1)
+    """The tasks, each handed to ``env.reset`` (at least one)."""
+    batch_id: str | None = Field(None, pattern=BATCH_ID_PATTERN)
+    """Client-supplied id; repeating the same request with it returns the existing batch."""
+
+
+class BatchCreatedPublic(BaseModel):
+    """Answer to POST /v1/batches (201 for a new batch, 200 for a repeated one)."""
+
+    batch_id: str
+    created: bool
+    """False when the batch already existed with the same request."""
+    env: str
+    num_tasks: int
+    group_size: int
+    num_episodes: int
+    request_hash: str
+    """sha256 of the canonical request; a repeat with another hash is refused with 409."""
+    episode_ids: list[str]
+    """``{batch_id}.{task_index}.{group_index}``, task-major."""
+    num_published: int
+    """Work items on the work queue so far; the outbox publishes the rest."""
+    status_url: str
+    created_at: datetime
+
+
+class BatchPublic(BatchBase):
+    """GET /v1/batches/{id}: the batch and how far its episodes got."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    batch_id: str
+    num_tasks: int
+    num_episodes: int
+    counts: dict[str, int]
+    """Episodes per status (every status present, 0 when none)."""
+    num_published: int
+    num_trajectories: int
+    mean_reward: float | None
+    """Mean reward over finished (completed, truncated, aborted) episodes; null when none."""
+    done: bool
+    """Every episode is in a terminal status."""
+    created_at: datetime
+    cancelled_at: datetime | None
+
+
+class BatchCancelPublic(BaseModel):
+    """POST /v1/batches/{id}/cancel."""
+
+    batch_id: str
+    cancelled_at: datetime
+    cancelled_now: int
+    """Episodes still waiting (requested) that this call moved to cancelled; running ones end between turns."""
+    counts: dict[str, int]
+
+
+class TurnPublic(BaseModel):
+    """One sampled turn (a try of an attempt); ``superseded`` when the episode did not keep it."""
+
+    event_id: str
+    attempt: int
+    turn_index: int
+    prompt_len: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    engine: str
+    worker_id: str
+    queue_ms: float
+    generate_ms: float
+    cached_tokens: int | None
+    superseded: bool
+    produced_at: datetime
+    recorded_at: datetime
+
+
+class StepPublic(BaseModel):
+    """One environment step; ``superseded`` when it belongs to an attempt the episode did not keep."""
+
+    event_id: str
+    attempt: int
+    turn_index: int
+    turn_event_id: str
+    action: str
+    observation: str
+    observation_token_ids: list[int]
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+    step_ms: float
+    superseded: bool
+    produced_at: datetime
+    recorded_at: datetime
+
+
+class EpisodePublic(BaseModel):
+    """GET /v1/episodes/{id}: the episode row with all its turns and steps."""
+
+    id: str
+    batch_id: str
+    group_id: str
+    group_index: int
+    task_index: int
+    env: str
+    task: dict[str, Any]
+    status: str
+    attempt: int
+    reward: float | None
+    num_turns: int | None
+    stop_reason: str | None
+    failure_class: str | None
+    failure_reason: str | None
+    worker_id: str | None
+    weight_versions: list[int] | None
+    prompt_token_ids: list[int] | None
+    prompt_text: str | None
+    published_at: datetime | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    updated_at: datetime
+    turns: list[TurnPublic]
+    steps: list[StepPublic]
+
+
+class SpanPublic(BaseModel):
+    """A contiguous part of a trajectory's token sequence."""
+
+    kind: Literal["prompt", "sampled", "observation"]
+    start: int
+    end: int
+    """Exclusive."""
+    turn_index: int | None
+    """The turn that sampled the span, or that the observation answers; null for the prompt."""
+    text: str | None
+
+
+class TrajectoryPublic(BaseModel):
+    """GET /v1/episodes/{id}/trajectory: the token-exact trajectory, decoded where the tokenizer is present."""
+
+    episode_id: str
+    batch_id: str
+    group_id: str
+    env: str
+    attempt: int
+    status: str
+    failure_class: str | None
+    reward: float | None
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    action_ranges: list[list[int]]
+    prompt_len: int
+    num_tokens: int
+    num_sampled_tokens: int
+    num_turns: int
+    created_at: datetime
+    text: str | None
+    """The whole sequence decoded (special tokens kept); null when the tokenizer is unavailable."""
+    spans: list[SpanPublic]
+    note: str | None = None
+    """Why ``text`` is missing, when it is."""
+
+
+class EnvPublic(BaseModel):
+    """An environment some env worker registered in the KV bucket ``rl_envs``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str = ""
+    multi_turn: bool = False
+    example_task: dict[str, Any] = Field(default_factory=dict)
+    registered_by: str = ""
+
+
+class EnvListPublic(BaseModel):
+    """GET /v1/envs."""
+
+    envs: list[EnvPublic]
+
+
+class ErrorPublic(BaseModel):
+    """Every non-validation error: one sentence saying what is wrong."""
+
+    detail: str

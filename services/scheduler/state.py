@@ -1,0 +1,41 @@
+"""What one scheduler app holds: settings, health, metrics, and the clients its lifespan opens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nats.js.kv import KeyValue
+from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
+from rollout_ledger.services.scheduler.publisher import Publisher
+from rollout_ledger.services.scheduler.settings import SchedulerSettings
+from rollout_ledger.services.scheduler.trajectory_view import TokenizerCache
+from rollout_ledger.shared.bus import NATS, JetStreamContext
+from rollout_ledger.shared.runtime import Health
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+
+@dataclass
+class Resources:
+    """Clients opened by the app's lifespan and closed when it ends."""
+
+    nc: NATS
+    js: JetStreamContext
+    engine: AsyncEngine
+    envs_kv: KeyValue
+    cancel_kv: KeyValue
+    publisher: Publisher
+
+
+@dataclass
+class SchedulerState:
+    """Per-app state (``app.state.scheduler``); ``resources`` is None outside the lifespan."""
+
+    settings: SchedulerSettings
+    health: Health
+    metrics: SchedulerMetrics
+    tokenizers: TokenizerCache
+    resources: Resources | None = None
+    db_ok: bool = False
+    """Last outcome of a database round trip (the outbox pass), for /readyz."""
+    startup_error: Exception | None = field(default=None, repr=False)
+    """Why the lifespan refused to start (e.g. an old schema), for ``main`` to report."""

@@ -1,0 +1,207 @@
+"""The scheduler's reads and writes in Postgres (batches, episodes, and the read views of turns, steps, trajectories).
+
+Every status write goes through ``lifecycle.allowed_sources``; database failures leave as ``StoreError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode
+from rollout_ledger.shared.db import batches, episodes, row_dict, steps, trajectories, turns
+from rollout_ledger.shared.errors import StoreError
+from rollout_ledger.shared.events import SamplingParams
+from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus, allowed_sources
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+FINISHED = (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED, EpisodeStatus.ABORTED)
+"""Statuses of episodes that ended with a trajectory of their own (not failed, not cancelled)."""
+
+
+@contextlib.contextmanager
+def store_errors(what: str) -> Iterator[None]:
+    """Turn SQLAlchemy/psycopg failures into ``StoreError`` naming the operation."""
+    try:
+        yield
+    except DBAPIError as exc:
+        raise StoreError(f"{what}: {exc.orig or exc}") from exc
+    except SQLAlchemyError as exc:
+        raise StoreError(f"{what}: {exc}") from exc
+
+
+async def insert_batch(
+    conn: AsyncConnection, batch_row: dict[str, Any], planned: Sequence[PlannedEpisode]
+) -> datetime | None:
+    """Insert the batch and its episodes and return its ``created_at``; None (nothing written) when it exists."""
+    created_at = (
+        await conn.execute(
+            pg_insert(batches).values(**batch_row).on_conflict_do_nothing().returning(batches.c.created_at)
+        )
+    ).scalar()
+    if created_at is None:
+        return None
+    await conn.execute(episodes.insert(), [ep.row() for ep in planned])
+    return created_at
+
+
+async def get_batch(conn: AsyncConnection, batch_id: str) -> dict[str, Any] | None:
+    row = (await conn.execute(select(batches).where(batches.c.id == batch_id))).first()
+    return row_dict(row) if row is not None else None
+
+
+async def episode_ids_of(conn: AsyncConnection, batch_id: str) -> list[str]:
+    """The batch's episode ids, task-major."""
+    rows = await conn.execute(
+        select(episodes.c.id).where(episodes.c.batch_id == batch_id).order_by(episodes.c.task_index,
+                                                                               episodes.c.group_index)
+    )
+    return [r[0] for r in rows]
+
+
+async def status_counts(conn: AsyncConnection, batch_id: str) -> dict[str, int]:
+    """Episodes per status, with every status present."""
+    counts = {str(s): 0 for s in EpisodeStatus}
+    rows = await conn.execute(
+        select(episodes.c.status, func.count()).where(episodes.c.batch_id == batch_id).group_by(episodes.c.status)
+    )
+    for status, n in rows:
+        counts[str(status)] = int(n)
+    return counts
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Aggregates of a batch beyond its status counts."""
+
+    num_published: int
+    num_trajectories: int
+    mean_reward: float | None
+
+
+async def batch_stats(conn: AsyncConnection, batch_id: str) -> BatchStats:
+    finished = [str(s) for s in FINISHED]
+    published, mean_reward = (
+        await conn.execute(
+            select(
+                func.count(episodes.c.published_at),
+                func.avg(episodes.c.reward).filter(episodes.c.status.in_(finished)),
+            ).where(episodes.c.batch_id == batch_id)
+        )
+    ).one()
+    num_traj = (
+        await conn.execute(select(func.count()).select_from(trajectories).where(trajectories.c.batch_id == batch_id))
+    ).scalar_one()
+    return BatchStats(int(published), int(num_traj), float(mean_reward) if mean_reward is not None else None)
+
+
+def is_done(counts: dict[str, int]) -> bool:
+    """Every episode is in a terminal status."""
+    return all(n == 0 for status, n in counts.items() if EpisodeStatus(status) not in TERMINAL)
+
+
+async def cancel_batch(conn: AsyncConnection, batch_id: str) -> tuple[datetime, int]:
+    """Stamp ``cancelled_at`` (first time only) and move the batch's waiting episodes to cancelled.
+
+    Only ``requested`` episodes move here; running ones are ended by their env worker between turns.
+    """
+    cancelled_at = (
+        await conn.execute(
+            update(batches)
+            .where(batches.c.id == batch_id)
+            .values(cancelled_at=func.coalesce(batches.c.cancelled_at, func.now()))
+            .returning(batches.c.cancelled_at)
+        )
+    ).scalar_one()
+    sources = [s for s in allowed_sources(EpisodeStatus.CANCELLED) if s == EpisodeStatus.REQUESTED]
+    moved = await conn.execute(
+        update(episodes)
+        .where(episodes.c.batch_id == batch_id, episodes.c.status == func.any(sources))
+        .values(status=str(EpisodeStatus.CANCELLED), finished_at=func.now(), updated_at=func.now())
+    )
+    return cancelled_at, int(moved.rowcount or 0)
+
+
+async def unpublished(
+    conn: AsyncConnection,
+    *,
+    batch_id: str | None = None,
+    min_age_s: float = 0.0,
+    limit: int = 1000,
+    lock: bool = False,
+) -> list[tuple[PlannedEpisode, BatchRunSpec]]:
+    """Episodes still ``requested`` whose work item was never acked by the work queue (oldest first).
+
+    With ``lock`` the rows are locked ``FOR UPDATE SKIP LOCKED`` so two schedulers do not republish the same
+    episodes at once.
+    """
+    query = (
+        select(
+            episodes.c.id, episodes.c.batch_id, episodes.c.group_id, episodes.c.task_index, episodes.c.group_index,
+            episodes.c.env, episodes.c.task, batches.c.group_size, batches.c.max_turns, batches.c.sampling,
+        )
+        .join(batches, batches.c.id == episodes.c.batch_id)
+        .where(episodes.c.status == str(EpisodeStatus.REQUESTED), episodes.c.published_at.is_(None))
+        .order_by(episodes.c.created_at, episodes.c.id)
+        .limit(limit)
+    )
+    if batch_id is not None:
+        query = query.where(episodes.c.batch_id == batch_id)
+    if min_age_s > 0:
+        query = query.where(episodes.c.created_at < func.now() - timedelta(seconds=min_age_s))
+    if lock:
+        query = query.with_for_update(of=episodes, skip_locked=True)
+    out: list[tuple[PlannedEpisode, BatchRunSpec]] = []
+    specs: dict[str, BatchRunSpec] = {}
+    for r in await conn.execute(query):
+        spec = specs.get(r.batch_id)
+        if spec is None:
+            spec = BatchRunSpec(r.env, r.group_size, r.max_turns, SamplingParams.model_validate(r.sampling))
+            specs[r.batch_id] = spec
+        out.append(
+            (PlannedEpisode(r.id, r.batch_id, r.group_id, r.task_index, r.group_index, r.env, r.task), spec)
+        )
+    return out
+
+
+async def mark_published(conn: AsyncConnection, episode_ids: Sequence[str]) -> int:
+    if not episode_ids:
+        return 0
+    result = await conn.execute(
+        update(episodes)
+        .where(episodes.c.id == func.any(list(episode_ids)), episodes.c.published_at.is_(None))
+        .values(published_at=func.now())
+    )
+    return int(result.rowcount or 0)
+
+
+async def get_episode(conn: AsyncConnection, ep_id: str) -> dict[str, Any] | None:
+    row = (await conn.execute(select(episodes).where(episodes.c.id == ep_id))).first()
+    return row_dict(row) if row is not None else None
+
+
+async def episode_turns(conn: AsyncConnection, ep_id: str) -> list[dict[str, Any]]:
+    rows = await conn.execute(
+        select(turns).where(turns.c.episode_id == ep_id).order_by(turns.c.attempt, turns.c.turn_index,
+                                                                   turns.c.event_id)
+    )
+    return [row_dict(r) for r in rows]
+
+
+async def episode_steps(conn: AsyncConnection, ep_id: str) -> list[dict[str, Any]]:
+    rows = await conn.execute(
+        select(steps).where(steps.c.episode_id == ep_id).order_by(steps.c.attempt, steps.c.turn_index,
+                                                                   steps.c.event_id)
+    )
+    return [row_dict(r) for r in rows]
+
+
+async def get_trajectory(conn: AsyncConnection, ep_id: str) -> dict[str, Any] | None:
+    row = (await conn.execute(select(trajectories).where(trajectories.c.episode_id == ep_id))).first()
+    return row_dict(row) if row is not None else None
