@@ -60,6 +60,95 @@ def model_fetch(
     typer.echo(str(path))
 
 
+@app.command()
+def up(
+    scheduler_port: int = typer.Option(8000, envvar="ROLLOUT_SCHEDULER_PORT", help="port of the REST API"),
+    env_workers: int = typer.Option(1, help="env worker processes"),
+    inference_workers: int = typer.Option(1, help="inference worker processes"),
+    engine: str = typer.Option("fake", envvar="ROLLOUT_ENGINE", help="inference engine: fake or vllm"),
+) -> None:
+    """Start NATS and Postgres (private ones unless NATS_URL/DATABASE_URL are set) and every service; Ctrl-C stops."""
+    from rollout_ledger.services.devstack import DevStack
+
+    with DevStack(scheduler_port=scheduler_port, env_workers=env_workers, inference_workers=inference_workers,
+                  engine=engine, echo=typer.echo) as stack:
+        typer.echo(stack.describe())
+        stack.wait_forever()
+
+
+@app.command()
+def submit(
+    env: str = typer.Option("arithmetic", help="registered environment name (GET /v1/envs)"),
+    tasks_file: str = typer.Option(None, help="JSONL file, one task object per line"),
+    task: list[str] = typer.Option(None, help="a task as inline JSON (repeatable)"),
+    num_tasks: int = typer.Option(8, help="without tasks: generate this many seeded tasks {'seed': i}"),
+    group_size: int = typer.Option(4, help="samples per task (GRPO group)"),
+    max_turns: int = typer.Option(1, help="turn budget per episode"),
+    temperature: float = typer.Option(1.0),
+    max_tokens: int = typer.Option(64, help="new tokens per turn"),
+    batch_id: str = typer.Option(None, help="client-supplied id: makes the submission idempotent"),
+    url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
+    token: str = typer.Option(None, envvar="ROLLOUT_API_TOKEN", help="bearer token, if the scheduler wants one"),
+    wait: bool = typer.Option(True, help="show a progress bar until the batch is done"),
+) -> None:
+    """Submit a batch of episodes to the scheduler and follow it to the end."""
+    from rollout_ledger.services.client import SchedulerClient, load_tasks
+
+    tasks = load_tasks(tasks_file, task, num_tasks)
+    client = SchedulerClient(url, token)
+    body = client.submit(env=env, tasks=tasks, group_size=group_size, max_turns=max_turns,
+                         sampling={"temperature": temperature, "max_tokens": max_tokens}, batch_id=batch_id)
+    typer.echo(f"batch {body['batch_id']}: {body['num_episodes']} episodes")
+    if wait:
+        client.follow(body["batch_id"])
+
+
+@app.command()
+def status(
+    batch_id: str,
+    url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
+) -> None:
+    """Show a batch's episodes by status and its mean reward."""
+    from rollout_ledger.services.client import SchedulerClient, print_batch
+
+    print_batch(SchedulerClient(url).batch(batch_id))
+
+
+@app.command("export")
+def export_cmd(
+    batch: str = typer.Option(..., help="batch id"),
+    fmt: str = typer.Option("jsonl", "--format", help="jsonl or parquet"),
+    out: str = typer.Option("exports", help="output directory"),
+    database_url: str = typer.Option(None, envvar="DATABASE_URL", help="Postgres DSN"),
+) -> None:
+    """Write one OpenRLHF-shaped record per trajectory of a batch."""
+    from pathlib import Path
+
+    from rollout_ledger.services.exporter.export import FILE_FORMATS, export_batch
+
+    if fmt not in FILE_FORMATS:
+        raise typer.BadParameter(f"unknown format {fmt!r}; known: {', '.join(FILE_FORMATS)}")
+    if not database_url:
+        raise typer.BadParameter("set DATABASE_URL or pass --database-url")
+    result = export_batch(database_url, batch, Path(out), fmt)
+    typer.echo(f"{result.records} trajectories -> {result.path}")
+
+
+@app.command()
+def demo(
+    num_tasks: int = typer.Option(8, help="tasks per environment"),
+    group_size: int = typer.Option(4, help="samples per task"),
+    out: str = typer.Option("exports", help="export directory"),
+    engine: str = typer.Option("fake", envvar="ROLLOUT_ENGINE", help="inference engine: fake or vllm"),
+) -> None:
+    """Bring everything up, run a demo batch end to end, print a summary and the export path, and stop."""
+    from pathlib import Path
+
+    from rollout_ledger.services.demo import run_demo
+
+    raise typer.Exit(run_demo(num_tasks=num_tasks, group_size=group_size, out=Path(out), engine=engine))
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app()

@@ -120,10 +120,11 @@ class Stack:
         env.update(self.env)
         return env
 
-    def start(self, service: str, name: str = "", wait: bool = True, **extra_env: str) -> ServiceProcess:
+    def start(self, service: str, name: str = "", wait: bool = True, port: int | None = None,
+              **extra_env: str) -> ServiceProcess:
         env = self.base_env()
         env.update({k.upper(): v for k, v in extra_env.items()})
-        proc = ServiceProcess(service, env, self.log_dir, name=name).start()
+        proc = ServiceProcess(service, env, self.log_dir, name=name, port=port or free_port()).start()
         self.procs.append(proc)
         if wait:
             proc.wait_ready()

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -154,7 +153,7 @@ async def ensure_buckets(js: JetStreamContext) -> None:
     for bucket in (ENVS_BUCKET, CANCEL_BUCKET):
         try:
             await js.key_value(bucket)
-        except (NotFoundError, Exception):
+        except NotFoundError:
             with contextlib.suppress(BadRequestError):
                 await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
 
@@ -169,21 +168,30 @@ def msg_id_headers(event_id: str) -> dict[str, str]:
     return {"Nats-Msg-Id": event_id}
 
 
-async def publish_event(js: JetStreamContext, event: BaseModel, *, timeout: float = 10.0) -> js_api.PubAck:
+async def publish_event(
+    js: JetStreamContext,
+    event: BaseModel,
+    *,
+    timeout: float = 10.0,  # noqa: ASYNC109 - nats-py's per-request publish timeout
+) -> js_api.PubAck:
     """Publish one event to its subject with its ``event_id`` as ``Nats-Msg-Id``; await the stream's ack."""
     from rollout_ledger.shared.events import encode
 
-    event_type = str(getattr(event, "type"))
+    event_type = str(event.type)
     subject = WORK_SUBJECT if event_type == "episode.requested" else event_subject(event_type)
     try:
         return await js.publish(
-            subject, encode(event), timeout=timeout, headers=msg_id_headers(str(getattr(event, "event_id")))
+            subject, encode(event), timeout=timeout, headers=msg_id_headers(str(event.event_id))
         )
     except Exception as exc:
         raise BusError(f"publish of {event_type} failed: {exc}") from exc
 
 
-async def fetch(psub: JetStreamContext.PullSubscription, batch: int, timeout: float) -> list[Msg]:
+async def fetch(
+    psub: JetStreamContext.PullSubscription,
+    batch: int,
+    timeout: float,  # noqa: ASYNC109 - the pull request's expiry inside nats-py
+) -> list[Msg]:
     """Fetch up to ``batch`` messages, waiting at most ``timeout``; an empty list on timeout."""
     try:
         return await psub.fetch(batch, timeout=timeout)
@@ -229,16 +237,15 @@ async def close(nc: NATS | None) -> None:
 
 __all__ = [
     "NATS",
-    "Msg",
     "JetStreamContext",
+    "Msg",
     "connect",
-    "ensure_topology",
+    "delivery_attempt",
     "ensure_consumer",
-    "publish_event",
+    "ensure_topology",
     "fetch",
     "keep_in_progress",
-    "delivery_attempt",
-    "work_consumer_spec",
+    "publish_event",
     "recorder_consumer_spec",
-    "Any",
+    "work_consumer_spec",
 ]

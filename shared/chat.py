@@ -58,7 +58,8 @@ class ChatTokenizer:
         if not isinstance(template, str):
             raise ModelNotFoundError(f"no chat template in {path}")
         self.template_source = template
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(template)

@@ -63,7 +63,7 @@ class HttpServer:
     """uvicorn inside the service's event loop; ``port`` is the bound port (also when asked for 0)."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own signals

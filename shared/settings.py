@@ -31,7 +31,8 @@ def normalize_database_url(url: str) -> str:
 class BaseServiceSettings(BaseSettings):
     """Settings shared by every service."""
 
-    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", extra="ignore", populate_by_name=True,
+                                      use_attribute_docstrings=True)
 
     nats_url: str = Field("nats://127.0.0.1:4222", validation_alias=AliasChoices("NATS_URL", "ROLLOUT_NATS_URL"))
     """NATS server(s), comma-separated."""

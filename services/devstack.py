@@ -1,0 +1,113 @@
+"""The whole system on one machine: private (or given) NATS and Postgres, migrations, and every service process.
+
+`rollout up` keeps it running until Ctrl-C; `rollout demo` and the benchmarks use it for one run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from rollout_ledger.migrations.runner import upgrade
+from rollout_ledger.services.localinfra import LocalInfra
+from rollout_ledger.services.modelstore import fetch, is_complete
+from rollout_ledger.services.supervisor import ServiceProcess, Stack
+from rollout_ledger.shared.settings import default_model_dir
+
+
+class DevStack:
+    """Infrastructure plus ``inference_workers`` + ``env_workers`` + recorder + scheduler processes."""
+
+    def __init__(self, scheduler_port: int | None = 8000, env_workers: int = 1, inference_workers: int = 1,
+                 engine: str = "fake", echo: Callable[[str], None] = print, extra_env: dict[str, str] | None = None,
+                 recorders: int = 1) -> None:
+        self.scheduler_port = scheduler_port
+        self.env_workers = env_workers
+        self.inference_workers = inference_workers
+        self.recorders = recorders
+        self.engine = engine
+        self.echo = echo
+        self.extra_env = dict(extra_env or {})
+        self.infra = LocalInfra()
+        self.stack: Stack | None = None
+        self.scheduler: ServiceProcess | None = None
+
+    def _model(self) -> str:
+        given = os.environ.get("ROLLOUT_MODEL")
+        if given:
+            return given
+        out = default_model_dir()
+        need_weights = self.engine == "vllm"
+        if not is_complete(out, need_weights):
+            self.echo(f"fetching the model into {out} (once) ...")
+        return str(fetch(out, with_weights=need_weights))
+
+    def start(self) -> DevStack:
+        self.infra.start()
+        try:
+            if self.infra.nats is not None or self.infra.postgres is not None:
+                self.echo(f"private infrastructure in {self.infra.root}")
+            upgrade(self.infra.database_url)
+            env = {"ROLLOUT_MODEL": self._model(), "ROLLOUT_ENGINE": self.engine, **self.extra_env}
+            self.stack = Stack(self.infra.nats_url, self.infra.database_url, self.infra.root / "logs", env=env)
+            procs = [self.stack.start("inference-worker", name=f"inference-worker-{i}", wait=False)
+                     for i in range(self.inference_workers)]
+            procs += [self.stack.start("env-worker", name=f"env-worker-{i}", wait=False)
+                      for i in range(self.env_workers)]
+            procs += [self.stack.start("recorder", name=f"recorder-{i}", wait=False) for i in range(self.recorders)]
+            for proc in procs:
+                proc.wait_ready(timeout_s=600 if self.engine == "vllm" else 60)
+            # The scheduler last: env workers have registered their environments by now.
+            self.scheduler = self.stack.start("scheduler", port=self.scheduler_port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def scheduler_url(self) -> str:
+        if self.scheduler is None:
+            raise RuntimeError("not started")
+        return self.scheduler.url
+
+    @property
+    def log_dir(self) -> Path:
+        return self.infra.root / "logs"
+
+    def describe(self) -> str:
+        return "\n".join([
+            f"scheduler     {self.scheduler_url}   (OpenAPI docs: {self.scheduler_url}/docs)",
+            f"NATS_URL      {self.infra.nats_url}",
+            f"DATABASE_URL  {self.infra.database_url}",
+            f"logs          {self.log_dir}",
+            "Ctrl-C stops everything.",
+        ])
+
+    def wait_forever(self) -> None:
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            if self.stack is not None:
+                for proc in self.stack.procs:
+                    if not proc.alive:
+                        self.echo(f"{proc.name} exited ({proc.proc.returncode if proc.proc else '?'}); "
+                                  f"log: {proc.log_path}")
+                        stop.set()
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.stop_all()
+            self.stack = None
+        self.infra.stop()
+
+    def __enter__(self) -> DevStack:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

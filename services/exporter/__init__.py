@@ -1,0 +1,1 @@
+"""The training exporter: reads trajectories from Postgres and writes trainer-ready files."""

@@ -1,0 +1,43 @@
+"""The lifecycle table: terminal states are final, a new attempt may restart a running episode."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_ledger.shared.lifecycle import (
+    TERMINAL,
+    TRANSITIONS,
+    EpisodeStatus,
+    IllegalTransition,
+    allowed_sources,
+    can_transition,
+    check_transition,
+)
+
+S = EpisodeStatus
+
+
+def test_every_status_has_a_row() -> None:
+    assert set(TRANSITIONS) == set(EpisodeStatus)
+
+
+@pytest.mark.parametrize("terminal", sorted(TERMINAL))
+def test_terminal_is_final(terminal: EpisodeStatus) -> None:
+    assert TRANSITIONS[terminal] == frozenset()
+    for dst in EpisodeStatus:
+        with pytest.raises(IllegalTransition):
+            check_transition(terminal, dst)
+
+
+def test_happy_path_and_retry() -> None:
+    assert can_transition(S.REQUESTED, S.RUNNING)
+    assert can_transition(S.RUNNING, S.RUNNING)  # redelivered attempt
+    assert can_transition(S.RUNNING, S.COMPLETED)
+    assert not can_transition(S.REQUESTED, S.COMPLETED)
+    assert not can_transition(S.COMPLETED, S.RUNNING)
+
+
+def test_allowed_sources_for_sql() -> None:
+    assert sorted(allowed_sources(S.RUNNING)) == ["requested", "running"]
+    assert sorted(allowed_sources(S.CANCELLED)) == ["requested", "running"]
+    assert allowed_sources(S.COMPLETED) == ["running"]
