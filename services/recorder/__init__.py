@@ -1,0 +1,1 @@
+"""The recorder service: writes the event stream to Postgres and assembles token-exact trajectories."""

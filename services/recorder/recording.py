@@ -1,0 +1,233 @@
+"""The recording rules: how one fetched batch of events becomes rows, trajectories and ack decisions.
+
+Order inside the one transaction of a batch: dead letters for undecodable messages; ``episode.started``
+updates; turns and steps (bulk COPY, ``ON CONFLICT DO NOTHING``); terminal events; then ``superseded`` is
+reconciled for every episode the batch touched. Every write is idempotent, so a redelivered or replayed batch
+changes nothing.
+
+Attempts. The kept attempt of an episode is the latest one the lifecycle let start (``episodes.attempt``).
+A terminal event of an older attempt, or of any attempt once the episode is terminal, changes nothing (its
+rows are stored and marked superseded): the prompt of such an attempt is not stored, so it could not be
+assembled exactly, and a finished rollout is never replaced by a later attempt's failure. The trajectory
+upsert itself only ever replaces a trajectory from a higher attempt.
+
+Rewards. A finished trajectory carries ``EpisodeFinished.reward``. A failed one carries NULL: the environment
+never produced its final score, and a partial sum of step rewards would look like a real return to a trainer's
+group normalisation. Step rewards stay in ``steps`` for whoever wants partial returns.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from rollout_ledger.shared.errors import SchemaError
+from rollout_ledger.shared.events import (
+    EpisodeCancelled,
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    FailureClass,
+    StepCompleted,
+    TurnGenerated,
+)
+from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus
+from rollout_ledger.shared.logging import get_logger
+
+from .assembly import Incomplete, Trajectory, assemble, pair_records
+from .store import DeadLetter, EpisodeRow, Tx
+
+log = get_logger(__name__)
+
+SOURCE = "recorder"
+"""``dead_letters.source`` of messages from the event stream."""
+
+
+class Action(enum.StrEnum):
+    """What happens to a message once its batch committed."""
+
+    ACK = "ack"
+    NAK = "nak"
+    """Redeliver later (terminal event whose records are not all stored yet)."""
+    TERM = "term"
+    """Never redeliver (dead-lettered)."""
+
+
+@dataclass
+class Delivery:
+    """One fetched message: where it sits in the stream, its bytes, and its decoded event or decode error."""
+
+    stream_seq: int
+    subject: str
+    deliveries: int
+    payload: bytes
+    headers: dict[str, str] | None
+    event: Event | None = None
+    error: str | None = None
+    error_class: str = ""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The settings the rules need."""
+
+    assembly_max_deliveries: int
+
+
+@dataclass
+class Outcome:
+    """The decisions and counts of one committed batch (``actions`` aligned with the deliveries)."""
+
+    actions: list[Action]
+    processed: Counter[str] = field(default_factory=Counter)
+    dead_letters: Counter[str] = field(default_factory=Counter)
+    trajectories: int = 0
+    naks: int = 0
+    newest_event_time: datetime | None = None
+
+
+def dead_letter_for(d: Delivery, reason: str) -> DeadLetter:
+    return DeadLetter(SOURCE, d.subject, d.stream_seq, reason, d.payload, d.headers)
+
+
+_RECORDED = (EpisodeStarted, TurnGenerated, StepCompleted, EpisodeFinished, EpisodeFailed, EpisodeCancelled)
+
+
+async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome:
+    """Write one batch inside ``tx``; return what to do with each message after the commit."""
+    out = Outcome(actions=[Action.ACK] * len(batch))
+    letters: list[DeadLetter] = []
+    started: list[tuple[int, EpisodeStarted]] = []
+    turns: dict[str, TurnGenerated] = {}
+    steps: dict[str, StepCompleted] = {}
+    terminals: list[tuple[int, EpisodeFinished | EpisodeFailed | EpisodeCancelled]] = []
+    touched: set[str] = set()
+
+    for i, d in enumerate(batch):
+        ev = d.event
+        if ev is None or not isinstance(ev, _RECORDED):
+            reason = d.error or f"unexpected event type {getattr(ev, 'type', '?')} on the event stream"
+            letters.append(dead_letter_for(d, reason))
+            out.dead_letters[d.error_class or "unexpected_type"] += 1
+            out.actions[i] = Action.TERM
+            continue
+        touched.add(ev.episode_id)
+        if isinstance(ev, EpisodeStarted):
+            started.append((i, ev))
+        elif isinstance(ev, TurnGenerated):
+            turns.setdefault(ev.event_id, ev)
+        elif isinstance(ev, StepCompleted):
+            steps.setdefault(ev.event_id, ev)
+        else:
+            terminals.append((i, ev))
+
+    await tx.add_dead_letters(letters)
+    started.sort(key=lambda p: (p[1].episode_id, batch[p[0]].stream_seq))
+    await tx.apply_started([
+        {"episode_id": e.episode_id, "attempt": e.attempt, "worker_id": e.worker_id, "time": e.time,
+         "prompt": e.prompt_token_ids.tolist(), "prompt_text": e.prompt_text} for _, e in started])
+    await tx.insert_turns(list(turns.values()))
+    await tx.insert_steps(list(steps.values()))
+
+    terminals.sort(key=lambda p: (p[1].episode_id, batch[p[0]].stream_seq))
+    for i, ev in terminals:
+        out.actions[i] = await _terminal(tx, batch[i], ev, policy, out)
+
+    await tx.reconcile_superseded(sorted(touched))
+
+    for i, d in enumerate(batch):
+        if out.actions[i] is Action.ACK and d.event is not None:
+            out.processed[d.event.type] += 1
+            t = d.event.time
+            if out.newest_event_time is None or t > out.newest_event_time:
+                out.newest_event_time = t
+    return out
+
+
+async def _fail_episode(tx: Tx, d: Delivery, ev: Any, reason: str, reason_class: str, out: Outcome) -> Action:
+    """Dead-letter a terminal event the recorder cannot turn into a trajectory; the episode fails (infra)."""
+    await tx.add_dead_letters([dead_letter_for(d, reason)])
+    out.dead_letters[reason_class] += 1
+    await tx.finish_episode(ev.episode_id, status=EpisodeStatus.FAILED, attempt=ev.attempt, time=ev.time,
+                            num_turns=ev.num_turns, failure_class=str(FailureClass.INFRA), failure_reason=reason)
+    log.error("recorder.episode_failed_by_recorder", episode_id=ev.episode_id, attempt=ev.attempt, reason=reason)
+    return Action.ACK
+
+
+async def _incomplete(tx: Tx, d: Delivery, ev: EpisodeFinished | EpisodeFailed, missing: Incomplete,
+                      policy: Policy, out: Outcome) -> Action:
+    """Hand the terminal event back for later, or give up after ``assembly_max_deliveries`` deliveries."""
+    if d.deliveries >= policy.assembly_max_deliveries:
+        reason = (f"trajectory incomplete after {d.deliveries} deliveries of {ev.type}: {missing.reason} "
+                  f"({missing.have} of {missing.need} turns)")
+        return await _fail_episode(tx, d, ev, reason, "incomplete", out)
+    out.naks += 1
+    log.info("recorder.terminal_incomplete", episode_id=ev.episode_id, attempt=ev.attempt, reason=missing.reason,
+             deliveries=d.deliveries)
+    return Action.NAK
+
+
+async def _terminal(tx: Tx, d: Delivery, ev: EpisodeFinished | EpisodeFailed | EpisodeCancelled, policy: Policy,
+                    out: Outcome) -> Action:
+    ep = await tx.lock_episode(ev.episode_id)
+    if ep is None:
+        await tx.add_dead_letters([dead_letter_for(d, f"unknown episode {ev.episode_id}")])
+        out.dead_letters["unknown_episode"] += 1
+        return Action.TERM
+    if ep.status in TERMINAL or ev.attempt < ep.attempt:
+        # Replay, a stale attempt, or an attempt that started after the episode ended: nothing to change.
+        return Action.ACK
+
+    if isinstance(ev, EpisodeCancelled):
+        await tx.finish_episode(ev.episode_id, status=EpisodeStatus.CANCELLED, attempt=ev.attempt, time=ev.time,
+                                num_turns=ev.num_turns)
+        return Action.ACK
+
+    prompt = ep.prompt_token_ids if ep.attempt == ev.attempt else None
+    if isinstance(ev, EpisodeFailed) and ev.num_turns == 0 and prompt is None:
+        await tx.finish_episode(ev.episode_id, status=EpisodeStatus.FAILED, attempt=ev.attempt, time=ev.time,
+                                num_turns=0, failure_class=str(ev.failure_class), failure_reason=ev.reason)
+        return Action.ACK
+
+    if prompt is None:
+        return await _incomplete(tx, d, ev, Incomplete(f"episode.started of attempt {ev.attempt} not stored yet",
+                                                       0, ev.num_turns), policy, out)
+    steps, turns = await tx.attempt_records(ev.episode_id, ev.attempt, ev.num_turns)
+    paired = pair_records(ev.num_turns, steps, turns)
+    if isinstance(paired, Incomplete):
+        return await _incomplete(tx, d, ev, paired, policy, out)
+
+    try:
+        traj = assemble(prompt, paired)
+    except SchemaError as exc:
+        return await _fail_episode(tx, d, ev, f"inconsistent records: {exc}", "inconsistent", out)
+    if traj.context_mismatches:
+        log.warning("recorder.context_mismatch", episode_id=ev.episode_id, attempt=ev.attempt,
+                    turns=list(traj.context_mismatches))
+
+    if isinstance(ev, EpisodeFinished):
+        if traj.num_tokens != ev.num_tokens:
+            reason = (f"token count mismatch: the env worker reported {ev.num_tokens} tokens, the stored turns "
+                      f"assemble to {traj.num_tokens}")
+            return await _fail_episode(tx, d, ev, reason, "token_mismatch", out)
+        status = EpisodeStatus(str(ev.status))
+        written = await _write(tx, ep, ev.attempt, str(ev.status), None, ev.reward, traj)
+        await tx.finish_episode(ev.episode_id, status=status, attempt=ev.attempt, time=ev.time, reward=ev.reward,
+                                num_turns=traj.num_turns, stop_reason=ev.stop_reason,
+                                weight_versions=traj.distinct_weight_versions)
+    else:
+        written = await _write(tx, ep, ev.attempt, str(EpisodeStatus.FAILED), str(ev.failure_class), None, traj)
+        await tx.finish_episode(ev.episode_id, status=EpisodeStatus.FAILED, attempt=ev.attempt, time=ev.time,
+                                num_turns=traj.num_turns, failure_class=str(ev.failure_class),
+                                failure_reason=ev.reason, weight_versions=traj.distinct_weight_versions)
+    out.trajectories += int(written)
+    return Action.ACK
+
+
+async def _write(tx: Tx, ep: EpisodeRow, attempt: int, status: str, failure_class: str | None,
+                 reward: float | None, traj: Trajectory) -> bool:
+    return await tx.upsert_trajectory(ep, attempt, status, failure_class, reward, traj)
