@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,14 +59,25 @@ def ops_app(service: str, health: Health, registry: CollectorRegistry, app: Fast
     return app
 
 
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the service's ``Shutdown`` owns SIGTERM/SIGINT and stops the
+    HTTP server last, after the drain, so /healthz and /metrics answer while work drains."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 class HttpServer:
-    """uvicorn inside the service's event loop; ``port`` is the bound port (also when asked for 0)."""
+    """uvicorn inside the service's event loop; ``port`` is the bound port (also when asked for 0).
+
+    Lifespan is off: services own their clients in their ``run`` coroutine, not in an ASGI lifespan.
+    """
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # we own signals
+        self.server = _QuietServer(config)
         self._task: asyncio.Task[None] | None = None
         self.port = port
 

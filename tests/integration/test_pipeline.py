@@ -109,7 +109,8 @@ def test_rest_submit_to_token_exact_trajectories(stack: Stack, database_url: str
                               "where episode_id = :e", e=rec["episode_id"])[0]
             assert rec["observation_tokens"] == list(stored["token_ids"])
             assert rec["action_ranges"] == [list(r) for r in stored["action_ranges"]]
-            assert rec["rollout_log_probs"] == [float(np.float32(x)) for x in stored["logprobs"]]
+            assert np.array_equal(np.array(rec["rollout_log_probs"], dtype=np.float32),
+                                  np.array(stored["logprobs"], dtype=np.float32))
             assert rec["reward"] == stored["reward"]
             assert by_id[rec["episode_id"]]["observation_tokens"] == rec["observation_tokens"]
     finally:

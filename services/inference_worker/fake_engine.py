@@ -1,0 +1,332 @@
+"""``FakeEngine``: a deterministic stand-in for vLLM that answers with real token ids of the policy tokenizer.
+
+It is a fake, for unit tests and benchmarks of everything around the engine; it is never the only test of a
+feature that depends on a model (those run against the real engine in tests/e2e).
+
+How it answers (all deterministic: the same prompt ids and sampling parameters give the same turn):
+
+- It decodes at most the last ``TAIL_TOKENS`` prompt ids, so its cost does not grow with the context, and
+  reads the last user message of the ChatML text (the whole tail when no role markers are visible).
+- An arithmetic question ("What is 12 + 7?", also ``-``, ``*``, ``×``) gets "The answer is N.", correct for a
+  deterministic ~60% of prompts (a hash of the prompt tail and the seed) and off by one otherwise.
+- A number-guessing prompt ("guess a number between 1 and 100", feedback such as "higher" / "too low") gets
+  "My guess is N." with N in the range, narrowed by the feedback visible in the tail.
+- Anything else gets one sentence from a small list.
+- The text is encoded with the real tokenizer; it is cut at ``max_tokens`` (finish ``length``), otherwise the
+  eos id is appended (finish ``stop``). A stop string in ``sampling.stop`` cuts the text before it (``stop``).
+- Logprobs are a hash of id, position and prompt, in [-3, -0.001].
+- ``cached_tokens`` models a prefix cache per session key (the worker passes the episode id): the longest
+  common prefix of this prompt with the previous request's prompt + output of the same session, in whole
+  ``block_size`` blocks and never the last prompt token (as vLLM counts it). Without a session key it is None.
+  The model keeps the last ``max_sessions`` sessions (least recently used first out).
+
+Cost knobs: ``delay_s`` (sleep per request, for crash and drain tests) and ``tokens_per_s`` (simulated decode
+speed; 0 is instant). Both default to 0, so the engine costs microseconds per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import re
+import struct
+from collections import OrderedDict
+from functools import lru_cache
+
+import numpy as np
+from rollout_ledger.services.inference_worker.engine import Generation
+from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
+from rollout_ledger.shared.events import FinishReason, SamplingParams
+
+TAIL_TOKENS = 256
+"""Prompt ids decoded per request (the responder only looks at the end of the conversation)."""
+
+SENTENCES = (
+    "I am not sure, but I will think about it.",
+    "That is an interesting question.",
+    "Let me try to help with that.",
+    "Here is what I think: it depends on the details.",
+    "Could you tell me more about what you need?",
+    "I would start with the simplest approach.",
+    "Thank you for asking.",
+    "The short answer is yes.",
+)
+"""What the fake says when it recognises no question."""
+
+_TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|\Z)", re.DOTALL)
+_ARITH = re.compile(r"(-?\d+)\s*([-+*×])\s*(-?\d+)")
+_ASKS = re.compile(r"\bwhat\s+is\b|\bcompute\b|\bcalculate\b|\?", re.IGNORECASE)
+_RANGE = re.compile(
+    r"(?:between|from)\s+(-?\d+)\s+(?:and|to)\s+(-?\d+)|\[\s*(-?\d+)\s*,\s*(-?\d+)\s*\]", re.IGNORECASE
+)
+_GUESS = re.compile(r"\bguess", re.IGNORECASE)
+_HIGHER = re.compile(r"\bhigher\b|\btoo\s+low\b|\bbigger\b|\blarger\b", re.IGNORECASE)
+_LOWER = re.compile(r"\blower\b|\btoo\s+high\b|\bsmaller\b", re.IGNORECASE)
+_INT = re.compile(r"-?\d+")
+_MASK64 = (1 << 64) - 1
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character BPE vocabularies spell it with."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
+
+
+class TailDecoder:
+    """Decodes ids to text by joining per-id byte strings: ~10x faster than ``tokenizers`` on a 256-id tail.
+
+    Only for byte-level BPE vocabularies (GPT-2 style, like SmolLM2's); ``build`` returns None for others and
+    the fake then uses the tokenizer's own ``decode``. Invalid UTF-8 (a tail cut inside a character) becomes
+    U+FFFD as it does in ``tokenizers``.
+    """
+
+    def __init__(self, table: list[bytes]) -> None:
+        self.table = table
+
+    @classmethod
+    @lru_cache(maxsize=4)
+    def build(cls, tok: ChatTokenizer) -> TailDecoder | None:
+        config = json.loads(tok.tokenizer.to_str())
+        if (config.get("decoder") or {}).get("type") != "ByteLevel":
+            return None
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        added = {int(t["id"]): str(t["content"]) for t in config.get("added_tokens", [])}
+        table = [b""] * tok.tokenizer.get_vocab_size()
+        for piece, i in tok.tokenizer.get_vocab(with_added_tokens=False).items():
+            try:
+                table[i] = bytes([byte_of[c] for c in piece])
+            except KeyError:
+                return None
+        for i, content in added.items():
+            table[i] = content.encode()
+        return cls(table)
+
+    def decode(self, ids: list[int]) -> str:
+        table = self.table
+        return b"".join([table[i] for i in ids]).decode("utf-8", errors="replace")
+
+
+def prompt_hash(tail_ids: np.ndarray, prompt_len: int, sampling: SamplingParams) -> int:
+    """64-bit hash of the prompt tail, its length and the parameters that change what is sampled."""
+    h = hashlib.blake2b(np.ascontiguousarray(tail_ids, dtype="<i4").tobytes(), digest_size=8)
+    h.update(struct.pack("<qqdd", prompt_len, sampling.seed or 0, sampling.temperature, sampling.top_p))
+    return int.from_bytes(h.digest(), "little")
+
+
+def _messages(text: str) -> list[tuple[str, str]]:
+    """(role, content) of the ChatML turns visible in ``text``; the whole text as one user turn otherwise."""
+    turns = [(m.group(1), m.group(2).strip()) for m in _TURN.finditer(text)]
+    return turns or [("user", text.strip())]
+
+
+def _arithmetic(question: str, h: int) -> str | None:
+    if not _ASKS.search(question):
+        return None
+    matches = list(_ARITH.finditer(question))
+    if not matches:
+        return None
+    a, op, b = int(matches[-1].group(1)), matches[-1].group(2), int(matches[-1].group(3))
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    if h % 100 >= 60:
+        value += 1 if (h >> 8) & 1 else -1
+    return f"The answer is {value}."
+
+
+def _guess(turns: list[tuple[str, str]], h: int) -> str | None:
+    last_user = next((c for r, c in reversed(turns) if r == "user"), "")
+    if not (_GUESS.search(last_user) or _HIGHER.search(last_user) or _LOWER.search(last_user)):
+        return None
+    start = None
+    for i in range(len(turns) - 1, -1, -1):
+        m = _RANGE.search(turns[i][1])
+        if m is not None:
+            nums = [int(g) for g in m.groups() if g is not None]
+            start, lo, hi = i, min(nums), max(nums)
+            break
+    if start is None:
+        return None
+    first_lo, first_hi = lo, hi
+    guess: int | None = None
+    for role, content in turns[start + 1 :]:
+        if role == "assistant":
+            ints = _INT.findall(content)
+            guess = int(ints[-1]) if ints else None
+        elif role == "user" and guess is not None:
+            if _HIGHER.search(content):
+                lo = max(lo, guess + 1)
+            elif _LOWER.search(content):
+                hi = min(hi, guess - 1)
+            guess = None
+    if lo > hi:
+        lo, hi = first_lo, first_hi
+    return f"My guess is {lo + h % (hi - lo + 1)}."
+
+
+def respond(text: str, h: int) -> str:
+    """The fake's answer to the conversation tail ``text``, chosen by the hash ``h``."""
+    turns = _messages(text)
+    last_user = next((c for r, c in reversed(turns) if r == "user"), "")
+    answer = _arithmetic(last_user, h)
+    if answer is None:
+        answer = _guess(turns, h)
+    if answer is None:
+        answer = SENTENCES[h % len(SENTENCES)]
+    return answer
+
+
+def fake_logprobs(token_ids: np.ndarray, h: int) -> np.ndarray:
+    """Deterministic logprobs in [-3, -0.001] from id, position and the prompt hash."""
+    pos = np.arange(token_ids.shape[0], dtype=np.uint64)
+    mixed = token_ids.astype(np.uint64) * np.uint64(2654435761) + pos * np.uint64(40503) + np.uint64(h % 1_000_003)
+    return (-0.001 - (mixed % np.uint64(2999)).astype(np.float32) / np.float32(1000.0)).astype(np.float32)
+
+
+class FakeEngine:
+    """Deterministic fake engine with real token ids (see the module docstring for its behaviour)."""
+
+    name = "fake"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        delay_s: float = 0.0,
+        tokens_per_s: float = 0.0,
+        block_size: int = 16,
+        max_sessions: int = 4096,
+        tokenizer: ChatTokenizer | None = None,
+    ) -> None:
+        self.model = model
+        self.delay_s = delay_s
+        self.tokens_per_s = tokens_per_s
+        self.block_size = block_size
+        self.max_sessions = max_sessions
+        self._tokenizer = tokenizer
+        self._sessions: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._encoded: dict[str, np.ndarray] = {}
+        self._aborts: dict[str, asyncio.Event] = {}
+        self.eos_id: int | None = None
+        self._tail_decoder: TailDecoder | None = None
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = load_chat_tokenizer(self.model)
+        return self._tokenizer
+
+    async def start(self) -> None:
+        """Load the tokenizer and warm the responder up once."""
+        tok = self.tokenizer
+        self.eos_id = tok.eos_token_id
+        self._tail_decoder = TailDecoder.build(tok)
+        warm = tok.encode(tok.render([{"role": "user", "content": "What is 1 + 1?"}], add_generation_prompt=True))
+        self._sample(warm, SamplingParams(), 16)
+
+    async def stop(self) -> None:
+        for event in self._aborts.values():
+            event.set()
+        self._sessions.clear()
+
+    async def abort(self, request_id: str) -> None:
+        event = self._aborts.get(request_id)
+        if event is not None:
+            event.set()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: np.ndarray,
+        sampling: SamplingParams,
+        max_tokens: int,
+        *,
+        session_key: str | None = None,
+    ) -> Generation:
+        ids, finish, h = self._sample(prompt_token_ids, sampling, max_tokens)
+        wait_s = self.delay_s + (ids.shape[0] / self.tokens_per_s if self.tokens_per_s > 0 else 0.0)
+        if wait_s > 0 and await self._wait(request_id, wait_s):
+            empty = np.zeros(0, dtype=np.int32)
+            return Generation(empty, np.zeros(0, dtype=np.float32), FinishReason.ABORT)
+        logprobs = fake_logprobs(ids, h)
+        top = self._top_logprobs(ids, logprobs, sampling.logprobs) if sampling.logprobs > 0 else None
+        cached = self._cached(session_key, prompt_token_ids, ids)
+        return Generation(ids, logprobs, finish, top, cached)
+
+    def _sample(
+        self, prompt: np.ndarray, sampling: SamplingParams, max_tokens: int
+    ) -> tuple[np.ndarray, FinishReason, int]:
+        """The turn's ids, finish reason and the prompt hash (pure CPU work, no waiting)."""
+        tail = prompt[-TAIL_TOKENS:]
+        h = prompt_hash(tail, int(prompt.shape[0]), sampling)
+        text = respond(self._decode_tail(tail), h)
+        finish = FinishReason.STOP
+        add_eos = True
+        for stop in sampling.stop:
+            cut = text.find(stop) if stop else -1
+            if cut >= 0:
+                text, add_eos = text[:cut], False
+        ids = self._encode(text)
+        if add_eos and self.eos_id is not None:
+            ids = np.append(ids, np.int32(self.eos_id)).astype(np.int32)
+        if ids.shape[0] > max_tokens:
+            ids, finish = ids[:max_tokens], FinishReason.LENGTH
+        return ids, finish, h
+
+    def _decode_tail(self, tail: np.ndarray) -> str:
+        ids = tail.tolist()
+        fast = self._tail_decoder
+        if fast is not None and ids and int(tail.min()) >= 0 and int(tail.max()) < len(fast.table):
+            return fast.decode(ids)
+        return str(self.tokenizer.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _encode(self, text: str) -> np.ndarray:
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= 4096:
+                self._encoded.clear()
+            ids = self.tokenizer.encode(text)
+            ids.setflags(write=False)
+            self._encoded[text] = ids
+        return ids
+
+    async def _wait(self, request_id: str, seconds: float) -> bool:
+        """Sleep ``seconds``; True when the request was aborted meanwhile."""
+        event = self._aborts[request_id] = asyncio.Event()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout=seconds)
+            return event.is_set()
+        finally:
+            self._aborts.pop(request_id, None)
+
+    def _top_logprobs(self, ids: np.ndarray, logprobs: np.ndarray, k: int) -> list[dict[int, float]]:
+        vocab = self.tokenizer.vocab_size
+        out = []
+        for tid, lp in zip(ids.tolist(), logprobs.tolist(), strict=True):
+            alts = {tid: lp}
+            for j in range(1, k + 1):
+                alts.setdefault((tid + 7919 * j) % vocab, lp - 0.25 * j)
+            out.append(alts)
+        return out
+
+    def _cached(self, session_key: str | None, prompt: np.ndarray, output: np.ndarray) -> int | None:
+        if session_key is None:
+            return None
+        previous = self._sessions.pop(session_key, None)
+        self._sessions[session_key] = np.concatenate((prompt, output))
+        if len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        if previous is None or prompt.shape[0] == 0:
+            return 0
+        n = min(previous.shape[0], prompt.shape[0] - 1)
+        differ = np.flatnonzero(previous[:n] != prompt[:n])
+        common = int(differ[0]) if differ.size else n
+        return common - common % self.block_size

@@ -1,0 +1,64 @@
+"""Entry point of ``rollout serve inference-worker``: wires settings, NATS, the engine, the server and HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollout_ledger.services.inference_worker.engine import Engine, build_engine
+from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
+from rollout_ledger.services.inference_worker.server import InferenceServer, WorkerIdentity
+from rollout_ledger.services.inference_worker.settings import InferenceSettings
+from rollout_ledger.shared import bus
+from rollout_ledger.shared.logging import configure_logging, get_logger
+from rollout_ledger.shared.runtime import Health, HttpServer, Shutdown, ops_app
+
+SERVICE = "inference-worker"
+
+log = get_logger(__name__)
+
+
+async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine | None = None,
+              health: Health | None = None) -> None:
+    """Serve until ``shutdown`` is set, then drain. ``engine`` and ``health`` may be given (in-process tests)."""
+    metrics = InferenceMetrics.create()
+    health = health if health is not None else Health()
+    http = HttpServer(ops_app(SERVICE, health, metrics.registry), settings.http_host, settings.http_port)
+    nc: bus.NATS | None = None
+    try:
+        await http.start()
+        if engine is None:
+            engine = build_engine(settings)
+        nc = await bus.connect(settings.nats_url, name=f"{SERVICE}-{settings.worker_id}",
+                               connect_timeout_s=settings.nats_connect_timeout_s)
+        await bus.ensure_topology(nc.jetstream())
+        await engine.start()
+        identity = WorkerIdentity(settings.worker_id, settings.weight_version, settings.max_inflight,
+                                  settings.heartbeat_s)
+        server = InferenceServer(nc, engine, identity, metrics)
+        await server.start()
+        conn = nc
+        health.checks["nats"] = lambda: conn.is_connected
+        health.ready = True
+        log.info("service.ready", http_port=http.port, engine=engine.name, weight_version=settings.weight_version)
+        await shutdown.wait()
+        health.draining = True
+        await server.drain(settings.drain_timeout_s)
+    finally:
+        health.ready = False
+        if engine is not None:
+            await engine.stop()
+        await bus.close(nc)
+        await http.stop()
+        log.info("service.stopped")
+
+
+async def _main(settings: InferenceSettings) -> None:
+    shutdown = Shutdown()
+    shutdown.install()
+    await run(settings, shutdown)
+
+
+def main() -> None:
+    settings = InferenceSettings()
+    configure_logging(settings.log_level, settings.log_format, service=SERVICE)
+    asyncio.run(_main(settings))

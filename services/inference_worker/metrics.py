@@ -1,0 +1,49 @@
+"""Prometheus metrics of the inference worker, in a registry of its own (built per worker, never global)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+OUTCOMES = ("ok", "bad_request", "overloaded", "aborted", "engine_error", "bus_error", "internal_error")
+"""Values of the ``outcome`` label of ``rollout_inference_requests_total``."""
+
+
+@dataclass(frozen=True)
+class InferenceMetrics:
+    """The worker's metrics; ``create`` registers them in ``registry``."""
+
+    registry: CollectorRegistry
+    requests: Counter
+    inflight: Gauge
+    prompt_tokens: Counter
+    generated_tokens: Counter
+    cached_tokens: Counter
+    generate_seconds: Histogram
+    queue_seconds: Histogram
+    outcome: dict[str, Counter]
+    """``requests`` per outcome, bound once (``labels()`` is a dict lookup and a lock per call)."""
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> InferenceMetrics:
+        reg = registry if registry is not None else CollectorRegistry()
+        requests = Counter("rollout_inference_requests", "Turn requests by outcome.", ["outcome"], registry=reg)
+        return cls(
+            registry=reg,
+            requests=requests,
+            inflight=Gauge("rollout_inference_inflight", "Requests being served now.", registry=reg),
+            prompt_tokens=Counter("rollout_prompt_tokens", "Prompt tokens of served requests.", registry=reg),
+            generated_tokens=Counter("rollout_generated_tokens", "Tokens sampled.", registry=reg),
+            cached_tokens=Counter("rollout_cached_tokens", "Prompt tokens served from the prefix cache.", registry=reg),
+            generate_seconds=Histogram(
+                "rollout_generate_seconds", "Time in the engine per request.", buckets=_LATENCY_BUCKETS, registry=reg
+            ),
+            queue_seconds=Histogram(
+                "rollout_queue_seconds", "Time from receipt to the engine starting the request.",
+                buckets=_LATENCY_BUCKETS, registry=reg,
+            ),
+            outcome={outcome: requests.labels(outcome) for outcome in OUTCOMES},
+        )

@@ -1,0 +1,259 @@
+"""The NATS side of the inference worker: takes turn requests, runs them on the engine, records and answers them.
+
+Design note. Requests arrive as core NATS requests on two subscriptions: the worker's own subject
+(``rl.infer.worker.<id>``, for session-sticky routing) and ``rl.infer.any`` in the queue group ``inference``.
+nats-py runs a subscription's callback one message at a time, so the callback only checks capacity and starts
+a task; the tasks run concurrently and the engine batches them. For each request:
+
+1. decode ``InferenceRequested`` (a bad payload gets an error reply, never a crash);
+2. ``engine.generate``;
+3. build ``TurnGenerated`` (``event_id`` = ``request_id``), publish it on RL_EVENTS with that ``Nats-Msg-Id``
+   and await the stream's ack (publisher.py): the turn is durable before the requester sees it;
+4. answer with the same event bytes.
+
+Errors are answered, not raised: the reply carries headers ``Rollout-Error`` (class name) and
+``Rollout-Retryable`` (``true``/``false``) with the message as body. Over ``max_inflight`` a request is
+answered ``Overloaded`` (retryable) at once. A heartbeat every ``heartbeat_s`` announces the worker's subject,
+load, weight version and whether it is draining. ``drain`` stops taking work, lets in-flight requests finish
+within a deadline and aborts the rest (answered retryable, so the requester tries another worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from rollout_ledger.services.inference_worker.engine import Engine
+from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
+from rollout_ledger.services.inference_worker.publisher import StreamPublisher
+from rollout_ledger.shared.errors import InferenceError, RolloutError, SchemaError
+from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
+from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
+
+log = get_logger(__name__)
+
+ERROR_HEADER = "Rollout-Error"
+"""Reply header naming the error class of a failed request."""
+RETRYABLE_HEADER = "Rollout-Retryable"
+"""Reply header: ``true`` when another try (possibly on another worker) can succeed."""
+OVERLOADED = "Overloaded"
+"""Error class of the immediate reply when the worker is at ``max_inflight``."""
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What the worker stamps on its turns and heartbeats."""
+
+    worker_id: str
+    weight_version: int
+    max_inflight: int
+    heartbeat_s: float
+
+    @property
+    def subject(self) -> str:
+        return infer_worker_subject(self.worker_id)
+
+    @property
+    def produced_by(self) -> str:
+        return f"inference-worker/{self.worker_id}"
+
+
+def request_log(request: InferenceRequested) -> Any:
+    """A logger bound to the request's episode and batch (built only when there is something to log)."""
+    return log.bind(episode_id=request.episode_id, batch_id=request.batch_id, request_id=request.request_id)
+
+
+def error_headers(error_class: str, retryable: bool) -> dict[str, str]:
+    """Headers of an error reply."""
+    return {ERROR_HEADER: error_class, RETRYABLE_HEADER: "true" if retryable else "false"}
+
+
+class InferenceServer:
+    """Serves turn requests from NATS with one engine; ``start`` subscribes, ``drain`` stops gracefully."""
+
+    def __init__(self, nc: NATS, engine: Engine, identity: WorkerIdentity, metrics: InferenceMetrics) -> None:
+        self.nc = nc
+        self.publisher = StreamPublisher(nc)
+        self.engine = engine
+        self.identity = identity
+        self.metrics = metrics
+        self.draining = False
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._active: set[str] = set()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._tasks)
+
+    async def start(self) -> None:
+        """Subscribe to the worker's subject and the shared queue group, then announce the worker."""
+        await self.publisher.start()
+        self._subs.append(await self.nc.subscribe(self.identity.subject, cb=self._on_request))
+        self._subs.append(await self.nc.subscribe(INFER_ANY, queue=INFER_QUEUE, cb=self._on_request))
+        await self.heartbeat()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+        log.info("inference.serving", subject=self.identity.subject, engine=self.engine.name,
+                 max_inflight=self.identity.max_inflight)
+
+    def heartbeat_payload(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.identity.worker_id,
+            "subject": self.identity.subject,
+            "inflight": self.inflight,
+            "capacity": self.identity.max_inflight,
+            "weight_version": self.identity.weight_version,
+            "engine": self.engine.name,
+            "draining": self.draining,
+            "time": time.time(),
+        }
+
+    async def heartbeat(self) -> None:
+        with contextlib.suppress(Exception):  # a missed heartbeat is harmless; the next one follows
+            await self.nc.publish(INFER_HEARTBEAT, dumps(self.heartbeat_payload()))
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._stopped.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), timeout=self.identity.heartbeat_s)
+            if not self._stopped.is_set():
+                await self.heartbeat()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Announce draining, stop taking requests, finish in-flight ones within ``timeout_s``, abort the rest."""
+        self.draining = True
+        await self.heartbeat()
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sub.drain(), timeout=5)
+        self._subs.clear()
+        log.info("inference.draining", inflight=self.inflight, timeout_s=timeout_s)
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+            if pending:
+                log.warning("inference.drain_timeout", aborting=len(self._active))
+                for request_id in list(self._active):
+                    await self.engine.abort(request_id)
+                _, pending = await asyncio.wait(pending, timeout=5)
+                for task in pending:
+                    task.cancel()
+        self._stopped.set()
+        if self._heartbeat_task is not None:
+            await self._heartbeat_task
+        await self.publisher.stop()
+        with contextlib.suppress(Exception):
+            await self.nc.flush(timeout=5)
+        log.info("inference.drained")
+
+    async def _on_request(self, msg: Msg) -> None:
+        received = time.perf_counter()
+        if not msg.reply:
+            self.metrics.outcome["bad_request"].inc()
+            log.warning("inference.no_reply_subject", subject=msg.subject)
+            return
+        if len(self._tasks) >= self.identity.max_inflight:
+            self.metrics.outcome["overloaded"].inc()
+            await self._reply_error(msg, OVERLOADED, True, f"worker {self.identity.worker_id} is at capacity")
+            return
+        task = asyncio.create_task(self._serve(msg, received))
+        self._tasks.add(task)
+        self.metrics.inflight.set(len(self._tasks))
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self.metrics.inflight.set(len(self._tasks))
+
+    async def _reply_error(self, msg: Msg, error_class: str, retryable: bool, message: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.publish(msg.reply, message.encode(), headers=error_headers(error_class, retryable))
+
+    async def _serve(self, msg: Msg, received: float) -> None:
+        try:
+            request = decode_as(msg.data, InferenceRequested)
+        except SchemaError as exc:
+            self.metrics.outcome["bad_request"].inc()
+            log.warning("inference.bad_request", error=str(exc))
+            await self._reply_error(msg, type(exc).__name__, False, str(exc))
+            return
+        except Exception as exc:  # a decoder bug must not leave the requester waiting
+            self.metrics.outcome["internal_error"].inc()
+            log.exception("inference.decode_failed")
+            await self._reply_error(msg, type(exc).__name__, False, str(exc))
+            return
+        try:
+            await self._generate_and_publish(msg, request, received)
+        except Exception as exc:  # the last line of defence: answer, never crash the worker
+            self.metrics.outcome["internal_error"].inc()
+            request_log(request).exception("inference.internal_error")
+            await self._reply_error(msg, type(exc).__name__, False, str(exc))
+
+    async def _generate_and_publish(self, msg: Msg, request: InferenceRequested, received: float) -> None:
+        metrics = self.metrics
+        self._active.add(request.request_id)
+        started = time.perf_counter()
+        try:
+            generation = await self.engine.generate(
+                request.request_id, request.prompt_token_ids, request.sampling, request.max_tokens,
+                session_key=request.episode_id,
+            )
+        except RolloutError as exc:
+            metrics.outcome["engine_error"].inc()
+            request_log(request).warning("inference.engine_error", error=str(exc), retryable=exc.retryable)
+            await self._reply_error(msg, type(exc).__name__, exc.retryable, str(exc))
+            return
+        finally:
+            self._active.discard(request.request_id)
+        finished = time.perf_counter()
+        if generation.finish_reason == FinishReason.ABORT:
+            metrics.outcome["aborted"].inc()
+            await self._reply_error(msg, InferenceError.__name__, True,
+                                    f"request {request.request_id} aborted (worker {self.identity.worker_id} draining)")
+            return
+        prompt_len = int(request.prompt_token_ids.shape[0])
+        event = TurnGenerated(
+            event_id=request.request_id,
+            episode_id=request.episode_id,
+            batch_id=request.batch_id,
+            attempt=request.attempt,
+            seq=request.reply_seq,
+            produced_by=self.identity.produced_by,
+            request_id=request.request_id,
+            turn_index=request.turn_index,
+            prompt_len=prompt_len,
+            token_ids=generation.token_ids,
+            logprobs=generation.logprobs,
+            top_logprobs=generation.top_logprobs,
+            finish_reason=generation.finish_reason,
+            weight_version=self.identity.weight_version,
+            engine=self.engine.name,
+            worker_id=self.identity.worker_id,
+            queue_ms=(started - received) * 1000.0,
+            generate_ms=(finished - started) * 1000.0,
+            cached_tokens=generation.cached_tokens,
+        )
+        data = encode(event)
+        try:
+            await self.publisher.publish(event.type, event.event_id, data)
+        except RolloutError as exc:
+            metrics.outcome["bus_error"].inc()
+            request_log(request).warning("inference.publish_failed", error=str(exc))
+            await self._reply_error(msg, type(exc).__name__, True, str(exc))
+            return
+        await self.nc.publish(msg.reply, data)
+        metrics.outcome["ok"].inc()
+        metrics.prompt_tokens.inc(prompt_len)
+        metrics.generated_tokens.inc(int(generation.token_ids.shape[0]))
+        if generation.cached_tokens:
+            metrics.cached_tokens.inc(generation.cached_tokens)
+        metrics.queue_seconds.observe(started - received)
+        metrics.generate_seconds.observe(finished - started)

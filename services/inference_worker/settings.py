@@ -1,0 +1,49 @@
+"""Settings of the inference worker (env vars ``ROLLOUT_<FIELD>``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from rollout_ledger.shared.settings import BaseServiceSettings
+
+
+class InferenceSettings(BaseServiceSettings):
+    """Settings of one inference worker process."""
+
+    engine: Literal["fake", "vllm"] = "fake"
+    """Engine serving the turns: ``fake`` (deterministic, for tests and benchmarks) or ``vllm``."""
+    weight_version: int = Field(0, ge=0)
+    """Version of the policy weights loaded; stamped on every turn."""
+    max_inflight: int = Field(256, ge=1)
+    """Requests served at once; past this a request gets an ``Overloaded`` (retryable) reply at once."""
+    heartbeat_s: float = Field(1.0, gt=0)
+    """Seconds between heartbeats on ``rl.infer.heartbeat``."""
+    fake_delay_s: float = Field(0.0, ge=0)
+    """Fake engine only: seconds each request takes (for crash and drain tests)."""
+    fake_tokens_per_s: float = Field(0.0, ge=0)
+    """Fake engine only: simulated decode speed per request; 0 means instant."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """vLLM engine: a request running longer than this is aborted and fails as a retryable ``InferenceError``."""
+    vllm_dtype: str = "auto"
+    """vLLM engine: weight and activation dtype (``auto`` takes the checkpoint's: bf16 for SmolLM2)."""
+    vllm_max_model_len: int | None = Field(None, ge=16)
+    """vLLM engine: context length (prompt + sampled ids) at most; unset means the model's own."""
+    vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """vLLM engine on GPU: fraction of GPU memory for weights, activations and KV cache."""
+    vllm_tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM engine: GPUs (or CPU NUMA nodes) one model is split across."""
+    vllm_enable_prefix_caching: bool = True
+    """vLLM engine: reuse KV blocks of shared prompt prefixes (each turn of an episode extends the last)."""
+    vllm_enforce_eager: bool | None = None
+    """vLLM engine: skip torch.compile / CUDA graphs; unset means eager on CPU (compiling costs ~60 s per
+    start there) and compiled on GPU."""
+    vllm_seed: int = 0
+    """vLLM engine: engine-wide random seed (requests may carry their own)."""
+    vllm_max_num_seqs: int | None = Field(None, ge=1)
+    """vLLM engine: sequences batched per step at most; unset means vLLM's default."""
+    vllm_logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """vLLM engine: ``raw_logprobs`` are the model's log-softmax before temperature/top-k/top-p (vLLM's default);
+    ``processed_logprobs`` are those of the distribution actually sampled from."""
+    vllm_cpu_kvcache_gib: int = Field(1, ge=1)
+    """vLLM engine on CPU: KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE`` when that is not set already)."""

@@ -1,0 +1,273 @@
+"""``VllmEngine``: the ``Engine`` protocol on vLLM V1's ``AsyncLLM`` (the only module of the project that imports vllm).
+
+Design note.
+
+- One ``AsyncLLM`` per worker process. Its engine core runs in a child process (vLLM V1 always does this for
+  ``AsyncLLM``); this process only tokenises nothing (prompts arrive as ids), sends requests over ZMQ and turns
+  outputs into ``Generation``. ``start`` builds the engine in a worker thread so the event loop (and with it
+  ``/healthz``) keeps running during the 5-30 s load; vLLM starts its output-handler task lazily on the first
+  request, in the loop that makes it. All later calls must come from that one loop.
+- Continuous batching: every ``generate`` call awaits its own ``AsyncLLM.generate`` async generator; nothing is
+  serialised here, the engine core batches whatever is in flight. Outputs are ``FINAL_ONLY``.
+- Logprobs: vLLM is always asked for ``max(1, sampling.logprobs)`` alternatives; it then returns, per position, a
+  dict ``{token_id: Logprob}`` holding the sampled id (whatever its rank) and the top-k. The sampled id's logprob
+  is read from that dict by id, never by rank. What the numbers mean (before or after temperature/top-k/top-p)
+  is ``vllm_logprobs_mode``.
+- Abort and timeout: ``abort(request_id)`` makes vLLM finish the request with reason ``abort`` and the ids it had;
+  a request running past ``request_timeout_s`` is cancelled (vLLM aborts it) and fails as a retryable
+  ``InferenceError``.
+- Errors are classified by vLLM's exception types, never by message: a request vLLM rejects (prompt longer than
+  the context, bad parameters) is not retryable; an engine that died (``EngineDeadError``) or a failed generate
+  is retryable on another worker, and a dead engine fails every later request at once (``healthy`` turns false).
+- CPU: when vLLM runs on CPU and the variables are not set already, ``VLLM_CPU_KVCACHE_SPACE`` comes from
+  settings and, on machines with at most 4 CPUs, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise keeps one
+  core of two idle for its scheduler). Nothing here is CPU-only: on GPU nodes the ordinary ``vllm`` package runs
+  the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import vllm
+from rollout_ledger.services.inference_worker.engine import Generation
+from rollout_ledger.services.inference_worker.settings import InferenceSettings
+from rollout_ledger.shared.errors import InferenceError
+from rollout_ledger.shared.events import FinishReason, SamplingParams
+from rollout_ledger.shared.logging import get_logger
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError
+
+try:  # vLLM >= 0.11 names request errors; older versions raise ValueError for them
+    from vllm.exceptions import VLLMClientError as _ClientError
+except ImportError:  # pragma: no cover - depends on the installed vllm
+    _ClientError = ValueError  # type: ignore[assignment,misc,unused-ignore]
+
+log = get_logger(__name__)
+
+FINISH_REASONS: Mapping[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+"""vLLM's ``CompletionOutput.finish_reason`` strings we know; any other (``error``, ...) is a failed request."""
+
+WARMUP_PROMPT_LENS = (16, 384)
+"""Prompt lengths of the warm-up requests: the first request at a new length is slow (3-6 s on CPU)."""
+
+SMALL_MACHINE_CPUS = 4
+"""At most this many CPUs: no core is reserved for vLLM's scheduler process."""
+
+
+def cpu_env_defaults(settings: InferenceSettings, cpu_count: int) -> dict[str, str]:
+    """vLLM CPU variables to set (only those the environment does not set already)."""
+    wanted = {"VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_cpu_kvcache_gib)}
+    if cpu_count <= SMALL_MACHINE_CPUS:
+        wanted["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return {k: v for k, v in wanted.items() if k not in os.environ}
+
+
+def engine_kwargs(settings: InferenceSettings, on_cpu: bool) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keyword arguments from the worker's settings."""
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": settings.vllm_dtype,
+        "max_model_len": settings.vllm_max_model_len,
+        "gpu_memory_utilization": settings.vllm_gpu_memory_utilization,
+        "tensor_parallel_size": settings.vllm_tensor_parallel_size,
+        "enable_prefix_caching": settings.vllm_enable_prefix_caching,
+        "enforce_eager": on_cpu if settings.vllm_enforce_eager is None else settings.vllm_enforce_eager,
+        "seed": settings.vllm_seed,
+        "logprobs_mode": settings.vllm_logprobs_mode,
+        "max_logprobs": 20,
+        "disable_log_stats": True,
+    }
+    if settings.vllm_max_num_seqs is not None:
+        kwargs["max_num_seqs"] = settings.vllm_max_num_seqs
+    return kwargs
+
+
+def sampling_params(sampling: SamplingParams, max_tokens: int) -> vllm.SamplingParams:
+    """vLLM sampling parameters for one turn (final output only; the sampled id's logprob always returned)."""
+    return vllm.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=max_tokens,
+        stop=list(sampling.stop) or None,
+        seed=sampling.seed,
+        logprobs=max(1, sampling.logprobs),
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=bool(sampling.stop),  # text is only needed to match stop strings
+    )
+
+
+def finish_reason(reason: str | None, request_id: str) -> FinishReason:
+    """Our finish reason for vLLM's; an unknown or missing one fails the request (retryable)."""
+    mapped = FINISH_REASONS.get(reason or "")
+    if mapped is None:
+        raise InferenceError(f"vLLM finished request {request_id} with reason {reason!r}", retryable=True)
+    return mapped
+
+
+def generation_from_output(
+    token_ids: Sequence[int],
+    position_logprobs: Sequence[Mapping[int, Any] | None] | None,
+    reason: str | None,
+    *,
+    top_k: int,
+    cached_tokens: int | None,
+    request_id: str,
+) -> Generation:
+    """A ``Generation`` from vLLM's ``CompletionOutput`` fields (``position_logprobs`` as vLLM returns them)."""
+    ids = np.asarray(token_ids, dtype=np.int32)
+    n = int(ids.shape[0])
+    positions = list(position_logprobs) if position_logprobs is not None else []
+    if len(positions) != n:
+        raise InferenceError(
+            f"vLLM returned {len(positions)} logprob positions for {n} ids (request {request_id})", retryable=True
+        )
+    logprobs = np.empty(n, dtype=np.float32)
+    top: list[dict[int, float]] | None = [] if top_k > 0 else None
+    for i, (tid, alternatives) in enumerate(zip(ids.tolist(), positions, strict=True)):
+        entry = alternatives.get(tid) if alternatives is not None else None
+        if entry is None:
+            raise InferenceError(f"vLLM returned no logprob for sampled id {tid} at position {i} "
+                                 f"(request {request_id})", retryable=True)
+        logprobs[i] = entry.logprob
+        if top is not None and alternatives is not None:
+            top.append({int(k): float(v.logprob) for k, v in alternatives.items()})
+    return Generation(
+        token_ids=ids,
+        logprobs=logprobs,
+        finish_reason=finish_reason(reason, request_id),
+        top_logprobs=top,
+        cached_tokens=cached_tokens,
+    )
+
+
+class VllmEngine:
+    """The ``Engine`` protocol on one vLLM ``AsyncLLM`` (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, settings: InferenceSettings) -> None:
+        self.settings = settings
+        self.llm: Any = None
+        """The ``vllm.AsyncLLMEngine`` once started (tests and benchmarks may drive it directly)."""
+        self.start_s: float | None = None
+        """Seconds ``start`` took (build plus warm-up)."""
+        self._inflight: set[str] = set()
+        self._dead: BaseException | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """Started and the engine core has not died."""
+        return self.llm is not None and self._dead is None and not self.llm.errored
+
+    def engine_args(self) -> vllm.AsyncEngineArgs:
+        """vLLM engine arguments from settings (setting the CPU variables first when on CPU)."""
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            defaults = cpu_env_defaults(self.settings, cpus)
+            os.environ.update(defaults)
+            if defaults:
+                log.info("vllm.cpu_env", **defaults)
+        return vllm.AsyncEngineArgs(**engine_kwargs(self.settings, on_cpu))
+
+    async def start(self) -> None:
+        """Build the engine (in a thread, so the loop keeps serving health checks) and warm it up."""
+        if self.llm is not None:
+            return
+        began = time.perf_counter()
+        args = self.engine_args()
+        try:
+            self.llm = await asyncio.to_thread(vllm.AsyncLLMEngine.from_engine_args, args)
+        except Exception as exc:  # vLLM raises many types while loading; none of them is retryable here
+            raise InferenceError(f"vLLM could not load {self.settings.model}: {type(exc).__name__}: {exc}",
+                                 retryable=False) from exc
+        built = time.perf_counter()
+        await self._warm_up()
+        self.start_s = time.perf_counter() - began
+        log.info("vllm.started", model=self.settings.model, build_s=round(built - began, 2),
+                 warmup_s=round(self.start_s - (built - began), 2), device=current_platform.device_type)
+
+    async def _warm_up(self) -> None:
+        """One short greedy generation per ``WARMUP_PROMPT_LENS`` (then forget their cached prefixes)."""
+        greedy = SamplingParams(temperature=0.0, max_tokens=4)
+        limit = self.llm.model_config.max_model_len - greedy.max_tokens
+        for n in WARMUP_PROMPT_LENS:
+            n = min(n, limit)
+            prompt = np.arange(100, 100 + n, dtype=np.int32)
+            await self.generate(f"warmup-{n}", prompt, greedy, greedy.max_tokens)
+        if self.settings.vllm_enable_prefix_caching:
+            await self.llm.reset_prefix_cache()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: np.ndarray,
+        sampling: SamplingParams,
+        max_tokens: int,
+        *,
+        session_key: str | None = None,
+    ) -> Generation:
+        """One turn through vLLM (``session_key`` is not needed: vLLM's prefix cache finds shared prefixes)."""
+        llm = self.llm
+        if llm is None:
+            raise InferenceError("the vLLM engine is not started", retryable=True)
+        if self._dead is not None or llm.errored:
+            raise InferenceError(f"the vLLM engine is dead: {self._dead or llm.dead_error}", retryable=True)
+        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).tolist()])
+        params = sampling_params(sampling, max_tokens)
+        final: Any = None
+        self._inflight.add(request_id)
+        try:
+            async with asyncio.timeout(self.settings.request_timeout_s):
+                async for output in llm.generate(prompt, params, request_id):
+                    final = output
+        except TimeoutError as exc:
+            raise InferenceError(f"request {request_id} ran past {self.settings.request_timeout_s}s and was "
+                                 "aborted", retryable=True) from exc
+        except EngineDeadError as exc:
+            self._dead = exc
+            log.error("vllm.engine_dead", request_id=request_id)
+            raise InferenceError(f"the vLLM engine died: {exc}", retryable=True) from exc
+        except (_ClientError, ValueError, TypeError) as exc:
+            raise InferenceError(f"vLLM rejected request {request_id}: {exc}", retryable=False) from exc
+        except Exception as exc:  # EngineGenerateError and anything unforeseen: another try may succeed
+            raise InferenceError(f"vLLM failed request {request_id}: {type(exc).__name__}: {exc}",
+                                 retryable=True) from exc
+        finally:
+            self._inflight.discard(request_id)
+        if final is None or not final.outputs:
+            raise InferenceError(f"vLLM returned no output for request {request_id}", retryable=True)
+        completion = final.outputs[0]
+        return generation_from_output(
+            completion.token_ids, completion.logprobs, completion.finish_reason,
+            top_k=sampling.logprobs, cached_tokens=final.num_cached_tokens, request_id=request_id,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        """Finish the request now with reason ``abort`` (no-op when unknown or done)."""
+        if self.llm is not None and request_id in self._inflight:
+            await self.llm.abort(request_id)
+
+    async def stop(self) -> None:
+        """Abort what is still in flight and shut the engine (and its core process) down."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        if self._inflight and not llm.errored:
+            await llm.abort(list(self._inflight))
+        await asyncio.to_thread(llm.shutdown)
+        log.info("vllm.stopped")
+
