@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
+
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import FinishReason, SamplingParams
 

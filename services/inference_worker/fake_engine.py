@@ -36,6 +36,7 @@ from collections import OrderedDict
 from functools import lru_cache
 
 import numpy as np
+
 from rollout_ledger.services.inference_worker.engine import Generation
 from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.events import FinishReason, SamplingParams

@@ -19,6 +19,7 @@ import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+
 from rollout_ledger.shared.bus import msg_id_headers
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.subjects import event_subject

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field
+
 from rollout_ledger.shared.settings import BaseServiceSettings
 
 

@@ -35,15 +35,16 @@ from typing import Any
 
 import numpy as np
 import vllm
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError
+
 from rollout_ledger.services.inference_worker.engine import Generation
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import FinishReason, SamplingParams
 from rollout_ledger.shared.logging import get_logger
-from vllm.inputs import TokensPrompt
-from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
-from vllm.v1.engine.exceptions import EngineDeadError
 
 try:  # vLLM >= 0.11 names request errors; older versions raise ValueError for them
     from vllm.exceptions import VLLMClientError as _ClientError

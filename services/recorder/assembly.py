@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from rollout_ledger.shared.errors import SchemaError
 
 _IDS = np.dtype("<i4")

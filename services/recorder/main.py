@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 
 from nats.js import JetStreamContext
+
 from rollout_ledger.shared import bus
 from rollout_ledger.shared.db import create_engine
 from rollout_ledger.shared.errors import StoreError

@@ -17,11 +17,12 @@ import numpy as np
 import psycopg
 import sqlalchemy.exc
 from psycopg.types.json import Jsonb
+from sqlalchemy.ext.asyncio import AsyncEngine
+
 from rollout_ledger.shared.db import check_schema
 from rollout_ledger.shared.errors import StoreError
 from rollout_ledger.shared.events import StepCompleted, TurnGenerated
 from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus, allowed_sources
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .assembly import StepRecord, Trajectory, TurnRecord
 

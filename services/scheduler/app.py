@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from rollout_ledger.services.scheduler.api import batches, episodes
 from rollout_ledger.services.scheduler.api import envs as envs_api
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics, create_metrics
@@ -24,7 +26,6 @@ from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.logging import get_logger
 from rollout_ledger.shared.runtime import Health, ops_app
 from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = get_logger(__name__)
 

@@ -7,6 +7,7 @@ from datetime import datetime
 import orjson
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
+
 from rollout_ledger.services.scheduler.schemas import EnvPublic
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.logging import get_logger

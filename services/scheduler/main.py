@@ -6,6 +6,7 @@ import asyncio
 import sys
 
 from pydantic import ValidationError
+
 from rollout_ledger.services.scheduler.app import SERVICE, create_app, scheduler_lifespan
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.state import SchedulerState

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
 from rollout_ledger.services.scheduler.schemas import BatchCreate
 from rollout_ledger.shared.events import EpisodeRequested, SamplingParams
 

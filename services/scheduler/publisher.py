@@ -13,6 +13,8 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from sqlalchemy.ext.asyncio import AsyncEngine
+
 from rollout_ledger.services.scheduler import store
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode, work_item
@@ -22,7 +24,6 @@ from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.events import EpisodeRequested, encode
 from rollout_ledger.shared.logging import get_logger
 from rollout_ledger.shared.subjects import WORK_SUBJECT
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 log = get_logger(__name__)
 

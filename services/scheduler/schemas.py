@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from rollout_ledger.shared.events import SamplingParams
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pydantic import Field, SecretStr, field_validator
+
 from rollout_ledger.shared.settings import BaseServiceSettings
 
 PLACEHOLDER_TOKENS = frozenset(

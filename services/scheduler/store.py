@@ -11,15 +11,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode
 from rollout_ledger.shared.db import batches, episodes, row_dict, steps, trajectories, turns
 from rollout_ledger.shared.errors import StoreError
 from rollout_ledger.shared.events import SamplingParams
 from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus, allowed_sources
-from sqlalchemy import func, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 FINISHED = (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED, EpisodeStatus.ABORTED)
 """Statuses of episodes that ended with a trajectory of their own (not failed, not cancelled)."""

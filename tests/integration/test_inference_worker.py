@@ -15,6 +15,7 @@ import numpy as np
 import orjson
 import pytest
 from nats.aio.msg import Msg
+
 from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
 from rollout_ledger.services.inference_worker.main import run
 from rollout_ledger.services.inference_worker.server import ERROR_HEADER, RETRYABLE_HEADER

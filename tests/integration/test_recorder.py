@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from pydantic import BaseModel
+
 from rollout_ledger.migrations.runner import upgrade
 from rollout_ledger.services.localinfra import PrivatePostgres, free_port
 from rollout_ledger.services.recorder.main import run
@@ -37,7 +38,6 @@ from rollout_ledger.shared.events import (
 )
 from rollout_ledger.shared.runtime import Shutdown
 from rollout_ledger.shared.subjects import EVENTS_STREAM, RECORDER_CONSUMER, WORK_STREAM, event_subject
-
 from tests.helpers import Sql
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from rollout_ledger.services.supervisor import Stack
 from rollout_ledger.shared import bus
-
 from tests.helpers import Sql, metric, wait_for
 from tests.integration.test_recorder import episode_events, publish, seed_episodes, until
 

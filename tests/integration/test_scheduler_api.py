@@ -14,6 +14,9 @@ import httpx
 import numpy as np
 import pytest
 from nats.js.api import ConsumerConfig
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
 from rollout_ledger.migrations.runner import downgrade
 from rollout_ledger.services.scheduler import store
 from rollout_ledger.services.scheduler.app import create_app
@@ -27,8 +30,6 @@ from rollout_ledger.shared.errors import SchemaVersionError
 from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
 from rollout_ledger.shared.lifecycle import EpisodeStatus
 from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, WORK_STREAM, WORK_SUBJECT
-from sqlalchemy import select, update
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 TOKEN = "test-token-0123456789"
 

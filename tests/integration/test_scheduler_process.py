@@ -8,13 +8,14 @@ import signal
 import time
 
 import httpx
+from sqlalchemy import func, select
+
 from rollout_ledger.migrations.runner import downgrade
 from rollout_ledger.services.supervisor import Stack
 from rollout_ledger.shared import bus
 from rollout_ledger.shared.db import batches, create_engine, episodes
 from rollout_ledger.shared.events import dumps
 from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_STREAM
-from sqlalchemy import func, select
 
 
 async def test_scheduler_process_serves_and_drains(stack: Stack, nc: bus.NATS) -> None:

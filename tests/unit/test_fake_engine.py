@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+
 from rollout_ledger.services.inference_worker.engine import Engine, Generation, build_engine
 from rollout_ledger.services.inference_worker.fake_engine import SENTENCES, FakeEngine, TailDecoder, respond
 from rollout_ledger.services.inference_worker.settings import InferenceSettings

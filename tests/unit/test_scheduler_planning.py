@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+
 from rollout_ledger.services.scheduler.app import describe_validation_errors
 from rollout_ledger.services.scheduler.planning import (
     BatchRunSpec,

@@ -7,6 +7,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Response, status
+from structlog.contextvars import bound_contextvars
+
 from rollout_ledger.services.scheduler import envs, store
 from rollout_ledger.services.scheduler.api.deps import AuthDep, ResourcesDep, StateDep
 from rollout_ledger.services.scheduler.planning import (
@@ -25,7 +27,6 @@ from rollout_ledger.services.scheduler.schemas import (
 )
 from rollout_ledger.services.scheduler.state import Resources
 from rollout_ledger.shared.logging import get_logger
-from structlog.contextvars import bound_contextvars
 
 log = get_logger(__name__)
 

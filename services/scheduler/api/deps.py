@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
 from rollout_ledger.services.scheduler.state import Resources, SchedulerState
 
 _bearer = HTTPBearer(auto_error=False, description="ROLLOUT_API_TOKEN, required on mutating routes when set")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+
 from rollout_ledger.services.scheduler import envs
 from rollout_ledger.services.scheduler.api.deps import ResourcesDep
 from rollout_ledger.services.scheduler.schemas import EnvListPublic

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, status
+
 from rollout_ledger.services.scheduler import store
 from rollout_ledger.services.scheduler.api.deps import ResourcesDep, StateDep
 from rollout_ledger.services.scheduler.schemas import (
