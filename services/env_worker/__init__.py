@@ -1,0 +1,1 @@
+"""The environment worker: pulls episode work items, runs environments, asks inference workers for turns."""

@@ -1,0 +1,57 @@
+"""Keeps the set of cancelled batch ids current from a watch on the ``rl_cancelled`` KV bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from nats.js import JetStreamContext
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.subjects import CANCEL_BUCKET
+
+log = get_logger(__name__)
+
+_REMOVED = frozenset({KV_DEL, KV_PURGE})
+
+
+class CancelWatch:
+    """``is_cancelled(batch_id)`` answered from memory; the watch loads existing keys before ``start`` returns."""
+
+    def __init__(self) -> None:
+        self.cancelled: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._watcher: KeyValue.KeyWatcher | None = None
+
+    def is_cancelled(self, batch_id: str) -> bool:
+        return batch_id in self.cancelled
+
+    async def start(self, js: JetStreamContext, timeout_s: float = 10.0) -> None:
+        kv = await js.key_value(CANCEL_BUCKET)
+        self._watcher = await kv.watchall()
+        loaded = asyncio.Event()
+        self._task = asyncio.create_task(self._consume(self._watcher, loaded))
+        async with asyncio.timeout(timeout_s):
+            await loaded.wait()
+
+    async def _consume(self, watcher: KeyValue.KeyWatcher, loaded: asyncio.Event) -> None:
+        async for entry in watcher:
+            if entry is None:
+                loaded.set()
+                continue
+            if entry.operation in _REMOVED:
+                self.cancelled.discard(entry.key)
+            else:
+                if entry.key not in self.cancelled:
+                    log.info("batch.cancelled", batch_id=entry.key)
+                self.cancelled.add(entry.key)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()

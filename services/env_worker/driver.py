@@ -1,0 +1,260 @@
+"""Runs one episode attempt: reset, prompt, turns (inference, env step, delta tokens), and its terminal event.
+
+Events, ids and ``seq`` follow the common contract: started ``{ep}:a{n}:started`` (seq 0); turn t is requested
+as ``{ep}:a{n}:t{t}:r{try}`` (seq 2t+1, published by the inference worker); its step ``{ep}:a{n}:s{t}``
+(seq 2t+2); the terminal event ``{ep}:a{n}:end`` (seq 2T+1, T = turns generated in this attempt).
+
+Steps are published without awaiting each ack; every pending ack is awaited before the terminal event, and
+the terminal event's ack before the caller acks the work item. A failure of the bus is not an episode
+outcome: ``BusError`` propagates and the caller hands the work item back (a later attempt redoes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import structlog
+from nats.js import JetStreamContext
+
+from rollout_ledger.services.env_worker.envs import Env, EnvRegistry, UnknownEnvError
+from rollout_ledger.services.env_worker.inference_client import InferenceClient
+from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
+from rollout_ledger.services.env_worker.tokenization import Transcript, TurnTemplate
+from rollout_ledger.shared.bus import msg_id_headers, publish_event
+from rollout_ledger.shared.errors import BusError, InferenceError, TokenizationError
+from rollout_ledger.shared.events import (
+    EpisodeCancelled,
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeRequested,
+    EpisodeStarted,
+    FailureClass,
+    InferenceRequested,
+    StepCompleted,
+    TrajectoryStatus,
+    TurnGenerated,
+    encode,
+)
+from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.subjects import event_subject
+
+log = get_logger(__name__)
+
+_STEP_SUBJECT = event_subject("step.completed")
+
+
+@dataclass(frozen=True)
+class DriverDeps:
+    """What every episode of one worker shares."""
+
+    js: JetStreamContext
+    client: InferenceClient
+    envs: EnvRegistry
+    template: TurnTemplate
+    is_cancelled: Callable[[str], bool]
+    """batch_id -> whether the batch is cancelled (kept current by a KV watch)."""
+    metrics: EnvWorkerMetrics
+    worker_id: str
+    max_model_len: int = 2048
+    publish_timeout_s: float = 10.0
+
+    @property
+    def produced_by(self) -> str:
+        return f"env-worker/{self.worker_id}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended; the work item is acked by the caller (the terminal event is on the stream)."""
+
+    status: str
+    """``completed``/``truncated``/``aborted``, ``failed`` or ``cancelled`` (the metrics label)."""
+    num_turns: int
+
+
+class EpisodeDriver:
+    """One attempt of one episode (single use)."""
+
+    def __init__(self, deps: DriverDeps, item: EpisodeRequested, attempt: int) -> None:
+        self.deps = deps
+        self.item = item
+        self.attempt = attempt
+        self.ep = item.episode_id
+        self.turns = 0
+        self.reward = 0.0
+        self.transcript: Transcript | None = None
+        self.last_worker: str | None = None
+        self._pending_acks: list[asyncio.Future[Any]] = []
+
+    # --- ids ----------------------------------------------------------------------------------------
+    def _common(self, event_id: str, seq: int) -> dict[str, Any]:
+        return {"event_id": event_id, "episode_id": self.ep, "batch_id": self.item.batch_id,
+                "attempt": self.attempt, "seq": seq, "produced_by": self.deps.produced_by}
+
+    def request_id(self, turn: int, try_no: int) -> str:
+        return f"{self.ep}:a{self.attempt}:t{turn}:r{try_no}"
+
+    @property
+    def _end_id(self) -> str:
+        return f"{self.ep}:a{self.attempt}:end"
+
+    # --- the attempt ----------------------------------------------------------------------------------
+    async def run(self) -> Outcome:
+        with structlog.contextvars.bound_contextvars(episode_id=self.ep, batch_id=self.item.batch_id,
+                                                     attempt=self.attempt):
+            env: Env | None = None
+            try:
+                if self.deps.is_cancelled(self.item.batch_id):
+                    return await self._cancelled()
+                try:
+                    env = self.deps.envs.create(self.item.env)
+                except UnknownEnvError:
+                    return await self._failed(FailureClass.ENV, f"unknown env {self.item.env!r} in this worker")
+                try:
+                    messages = await env.reset(self.item.task)
+                    self.transcript = Transcript(self.deps.template, messages)
+                except Exception as exc:  # the env's code: any exception is an env failure
+                    return await self._failed(FailureClass.ENV, f"reset: {type(exc).__name__}: {exc}")
+                await self._started(self.transcript, messages)
+                return await self._turn_loop(env, self.transcript)
+            finally:
+                if env is not None:
+                    with contextlib.suppress(Exception):
+                        await env.close()
+
+    async def _turn_loop(self, env: Env, transcript: Transcript) -> Outcome:
+        max_turns = self.item.max_turns
+        for t in range(max_turns):
+            if t > 0 and self.deps.is_cancelled(self.item.batch_id):
+                return await self._cancelled()
+            room = self.deps.max_model_len - len(transcript)
+            if room <= 0:
+                return await self._finished(TrajectoryStatus.TRUNCATED, "context_length")
+            try:
+                turn = await self._generate(t, transcript, min(self.item.sampling.max_tokens, room))
+            except InferenceError as exc:
+                return await self._failed(FailureClass.INFERENCE, f"turn {t}: {exc}", retryable=exc.retryable)
+            action = transcript.add_sampled(turn.token_ids)
+            started = time.perf_counter()
+            try:
+                result = await env.step(action)
+                env_s = time.perf_counter() - started
+                final = result.terminated or result.truncated or t + 1 >= max_turns
+                delta = transcript.add_observation(result.observation, final)
+            except Exception as exc:  # the env's code (or its unrenderable messages): an env failure
+                return await self._failed(FailureClass.ENV, f"step {t}: {type(exc).__name__}: {exc}")
+            self.deps.metrics.env_step_seconds.observe(env_s)
+            self.reward += float(result.reward)
+            info = _jsonable(result.info)
+            if delta.drift is not None:
+                info["drift"] = delta.drift.value
+            observation = "\n".join(str(m.get("content", "")) for m in result.observation)
+            if final and observation:
+                info["final_observation"] = observation  # not part of the trajectory; kept for inspection
+            step = StepCompleted(
+                **self._common(f"{self.ep}:a{self.attempt}:s{t}", 2 * t + 2),
+                turn_index=t, turn_event_id=turn.event_id, action=action,
+                observation="" if final else observation,
+                observation_token_ids=delta.ids, reward=float(result.reward), terminated=result.terminated,
+                truncated=result.truncated, info=info, step_ms=(time.perf_counter() - started) * 1000.0,
+            )
+            await self._publish_async(step)
+            if result.terminated:
+                return await self._finished(TrajectoryStatus.COMPLETED, "terminated")
+            if result.truncated:
+                return await self._finished(TrajectoryStatus.TRUNCATED, "env_truncated")
+        return await self._finished(TrajectoryStatus.TRUNCATED, "max_turns")
+
+    async def _generate(self, t: int, transcript: Transcript, max_tokens: int) -> TurnGenerated:
+        """Turn ``t`` from an inference worker (sticky to the previous turn's worker); ``InferenceError`` when
+        the budget is spent."""
+        context = transcript.ids
+        common = {"episode_id": self.ep, "batch_id": self.item.batch_id, "attempt": self.attempt,
+                  "seq": 2 * t + 1, "produced_by": self.deps.produced_by}
+
+        def build(try_no: int) -> InferenceRequested:
+            rid = self.request_id(t, try_no)
+            return InferenceRequested(event_id=rid, request_id=rid, turn_index=t, prompt_token_ids=context,
+                                      sampling=self.item.sampling, max_tokens=max_tokens, reply_seq=2 * t + 1,
+                                      **common)
+
+        turn = await self.deps.client.generate(build, prefer=self.last_worker)
+        self.turns += 1
+        self.last_worker = turn.worker_id
+        return turn
+
+    # --- publishing ---------------------------------------------------------------------------------
+    async def _started(self, transcript: Transcript, messages: list[dict[str, Any]]) -> None:
+        event = EpisodeStarted(**self._common(f"{self.ep}:a{self.attempt}:started", 0), env=self.item.env,
+                               worker_id=self.deps.worker_id, prompt_token_ids=transcript.prompt_ids,
+                               prompt_text=transcript.prompt_text, messages=_jsonable_list(messages))
+        await publish_event(self.deps.js, event, timeout=self.deps.publish_timeout_s)
+
+    async def _publish_async(self, event: StepCompleted) -> None:
+        try:
+            fut = await self.deps.js.publish_async(_STEP_SUBJECT, encode(event), headers=msg_id_headers(event.event_id))
+        except Exception as exc:
+            raise BusError(f"publish of step.completed failed: {exc}") from exc
+        self._pending_acks.append(fut)
+
+    async def _flush(self) -> None:
+        """Await every step ack before the terminal event (a lost step would leave a hole in the trajectory)."""
+        if not self._pending_acks:
+            return
+        pending, self._pending_acks = self._pending_acks, []
+        try:
+            async with asyncio.timeout(self.deps.publish_timeout_s):
+                await asyncio.gather(*pending)
+        except Exception as exc:
+            for fut in pending:
+                fut.cancel()
+            raise BusError(f"step events not acknowledged by the stream: {exc!r}") from exc
+
+    async def _terminal(self, event: EpisodeFinished | EpisodeFailed | EpisodeCancelled, status: str) -> Outcome:
+        await self._flush()
+        await publish_event(self.deps.js, event, timeout=self.deps.publish_timeout_s)
+        log.info("episode.end", status=status, turns=self.turns, reward=self.reward)
+        return Outcome(status, self.turns)
+
+    async def _finished(self, status: TrajectoryStatus, stop_reason: str) -> Outcome:
+        transcript = self.transcript
+        if transcript is None:
+            raise TokenizationError("an episode finished before its prompt was built")
+        info: dict[str, Any] = {"token_check": "ok" if transcript.verify() else "mismatch"}
+        if transcript.drifts:
+            info["drift_turns"] = len(transcript.drifts)
+        if info["token_check"] != "ok":
+            log.warning("episode.token_check_mismatch", turns=self.turns)
+        event = EpisodeFinished(**self._common(self._end_id, 2 * self.turns + 1), status=status, reward=self.reward,
+                                num_turns=self.turns, num_tokens=len(transcript), stop_reason=stop_reason,
+                                info=info)
+        return await self._terminal(event, status.value)
+
+    async def _failed(self, failure_class: FailureClass, reason: str, retryable: bool = False) -> Outcome:
+        log.warning("episode.failed", failure_class=failure_class.value, reason=reason)
+        event = EpisodeFailed(**self._common(self._end_id, 2 * self.turns + 1), failure_class=failure_class,
+                              reason=reason[:2000], num_turns=self.turns, retryable=retryable)
+        return await self._terminal(event, "failed")
+
+    async def _cancelled(self) -> Outcome:
+        event = EpisodeCancelled(**self._common(self._end_id, 2 * self.turns + 1), num_turns=self.turns)
+        return await self._terminal(event, "cancelled")
+
+
+def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
+    """The env's free-form info as plain JSON values (numpy scalars, sets, objects become JSON or strings)."""
+    if not info:
+        return {}
+    out = orjson.loads(orjson.dumps(info, default=str, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS))
+    return out if isinstance(out, dict) else {"info": out}
+
+
+def _jsonable_list(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = orjson.loads(orjson.dumps(messages, default=str, option=orjson.OPT_SERIALIZE_NUMPY))
+    return out if isinstance(out, list) else []

@@ -1,0 +1,45 @@
+"""The in-process environment protocol: a single-use ``Env`` with ``reset`` and ``step``, and its ``StepResult``."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, Any]
+"""A chat message: ``{"role": ..., "content": ...}`` (whatever the chat template accepts)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment answers to one action."""
+
+    observation: list[Message]
+    """Messages appended after the assistant's turn (usually one ``user`` or ``tool`` message; may be empty)."""
+    reward: float = 0.0
+    """Reward for this step; the episode's reward is the sum over its steps."""
+    terminated: bool = False
+    """The task is over (solved or failed for good)."""
+    truncated: bool = False
+    """The environment cut the episode short (its own budget ran out)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Free-form JSON-serialisable details, stored with the step."""
+
+
+class Env(abc.ABC):
+    """One episode of an environment. Single use: ``reset`` once, then ``step`` until done."""
+
+    @abc.abstractmethod
+    async def reset(self, task: dict[str, Any]) -> list[Message]:
+        """Start the episode for ``task``; return the initial chat messages (the prompt)."""
+
+    @abc.abstractmethod
+    async def step(self, action: str) -> StepResult:
+        """Take the assistant's text ``action``; return the observation and reward."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release resources (called once, after the last step or a failure)."""
+
+
+class TaskError(ValueError):
+    """The task given to ``reset`` is malformed for this environment."""

@@ -1,0 +1,281 @@
+"""Asks inference workers for turns: a registry of live workers from heartbeats, sticky routing, failover, budget.
+
+Protocol (fixed with the inference worker): a core NATS request of ``InferenceRequested`` JSON to the worker's
+own subject (session-sticky) or to ``INFER_ANY`` (queue group, when no worker is known); the reply is the
+``TurnGenerated`` JSON, or an error reply with headers ``Rollout-Error`` (class name) and ``Rollout-Retryable``
+(``true``/``false``) and the message as body. Workers publish heartbeats on ``INFER_HEARTBEAT`` about once a
+second; a worker silent for ``heartbeat_timeout_s`` is dead, and requests waiting on it fail over at once
+instead of waiting for ``request_timeout_s``.
+
+Replies come back through one wildcard inbox subscription (like nats-py's ``request``) so a try can be failed
+from outside (the heartbeat reaper) without extra tasks per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from rollout_ledger.shared.errors import InferenceError, SchemaError
+from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, decode_as, encode
+from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT
+
+log = get_logger(__name__)
+
+ERROR_HEADER = "Rollout-Error"
+RETRYABLE_HEADER = "Rollout-Retryable"
+_STATUS_HEADER = "Status"
+_NO_RESPONDERS = "503"
+
+
+class TryFailed(InferenceError):
+    """One try did not produce a turn (no responders, worker lost, timeout or a retryable error reply)."""
+
+    retryable = True
+
+
+@dataclass
+class WorkerState:
+    """What this client knows about one inference worker."""
+
+    worker_id: str
+    subject: str
+    capacity: int
+    """Concurrent requests the worker accepts (<= 0: unknown, treated as unbounded)."""
+    reported_inflight: int
+    draining: bool
+    last_seen: float
+    weight_version: int | None = None
+    engine: str = ""
+    local_inflight: int = 0
+    """Requests this client has outstanding on the worker right now."""
+    waiting: set[asyncio.Future[Msg]] = field(default_factory=set)
+
+    @property
+    def load(self) -> int:
+        return max(self.reported_inflight, self.local_inflight)
+
+    @property
+    def has_room(self) -> bool:
+        return self.capacity <= 0 or self.load < self.capacity
+
+
+@dataclass(frozen=True)
+class InferenceClientConfig:
+    """Timeouts and retry budget (from ``EnvWorkerSettings``)."""
+
+    request_timeout_s: float = 120.0
+    max_tries: int = 3
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 2.0
+    heartbeat_timeout_s: float = 3.0
+
+
+class InferenceClient:
+    """Routes turn requests to inference workers and retries them within a budget."""
+
+    def __init__(self, nc: NATS, config: InferenceClientConfig, *,
+                 on_retry: Callable[[], None] | None = None,
+                 on_latency: Callable[[float], None] | None = None) -> None:
+        self.nc = nc
+        self.config = config
+        self.workers: dict[str, WorkerState] = {}
+        self._on_retry = on_retry or (lambda: None)
+        self._on_latency = on_latency or (lambda _s: None)
+        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        self._waiting_any: set[asyncio.Future[Msg]] = set()
+        """Tries sent to ``INFER_ANY``: whoever took them is unknown, so any worker's death fails them over."""
+        self._first_heartbeat = asyncio.Event()
+        self._inbox_prefix = ""
+        self._counter = 0
+        self._subs: list[Subscription] = []
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Subscribe to heartbeats and the reply inbox; start the reaper of silent workers."""
+        self._inbox_prefix = f"{self.nc.new_inbox()}."
+        self._subs.append(await self.nc.subscribe(f"{self._inbox_prefix}*", cb=self._on_reply))
+        self._subs.append(await self.nc.subscribe(INFER_HEARTBEAT, cb=self._on_heartbeat))
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def wait_for_workers(self, timeout_s: float) -> bool:
+        """Listen up to ``timeout_s`` for a first heartbeat, so the first turns are routed to known workers."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._first_heartbeat.wait()
+        return bool(self.workers)
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(TryFailed("inference client stopped"))
+
+    # --- registry ---------------------------------------------------------------------------------
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb: dict[str, Any] = orjson.loads(msg.data)
+            worker_id = str(hb["worker_id"])
+            subject = str(hb["subject"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            log.warning("inference.bad_heartbeat", data=msg.data[:200].decode(errors="replace"))
+            return
+        now = asyncio.get_running_loop().time()
+        state = self.workers.get(worker_id)
+        if state is None:
+            state = WorkerState(worker_id, subject, 0, 0, False, now)
+            self.workers[worker_id] = state
+            log.info("inference.worker_joined", worker=worker_id, subject=subject)
+        state.subject = subject
+        state.capacity = _int(hb.get("capacity"), 0)
+        state.reported_inflight = _int(hb.get("inflight"), 0)
+        state.draining = bool(hb.get("draining", False))
+        state.weight_version = _int(hb.get("weight_version"), 0) if hb.get("weight_version") is not None else None
+        state.engine = str(hb.get("engine", ""))
+        state.last_seen = now
+        self._first_heartbeat.set()
+
+    def reap(self) -> list[str]:
+        """Forget workers silent for ``heartbeat_timeout_s``; fail the tries waiting on them. Returns their ids.
+
+        Tries sent to ``INFER_ANY`` fail over too: the dead worker may have taken them (a live one that did
+        will still answer its copy; the duplicate turn has its own request id and is simply not kept).
+        """
+        now = asyncio.get_running_loop().time()
+        dead = [w for w in self.workers.values() if now - w.last_seen > self.config.heartbeat_timeout_s]
+        for state in dead:
+            del self.workers[state.worker_id]
+            log.warning("inference.worker_lost", worker=state.worker_id, waiting=len(state.waiting),
+                        waiting_any=len(self._waiting_any))
+            for fut in [*state.waiting, *self._waiting_any]:
+                if not fut.done():
+                    fut.set_exception(TryFailed(f"inference worker {state.worker_id} stopped sending heartbeats"))
+        return [s.worker_id for s in dead]
+
+    async def _reap_forever(self) -> None:
+        interval = max(0.05, self.config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.reap()
+
+    def choose(self, prefer: str | None = None, exclude: frozenset[str] | set[str] = frozenset()) -> WorkerState | None:
+        """The sticky worker when it is live, not draining and has room; else the least loaded; else None."""
+        if prefer is not None and prefer not in exclude:
+            state = self.workers.get(prefer)
+            if state is not None and not state.draining and state.has_room:
+                return state
+        best: WorkerState | None = None
+        best_score = 0.0
+        for state in self.workers.values():
+            if state.draining or state.worker_id in exclude:
+                continue
+            score = state.load / state.capacity if state.capacity > 0 else float(state.load)
+            if best is None or score < best_score:
+                best, best_score = state, score
+        return best
+
+    # --- requests ---------------------------------------------------------------------------------
+    async def _on_reply(self, msg: Msg) -> None:
+        fut = self._waiting.get(msg.subject[len(self._inbox_prefix):])
+        if fut is None or fut.done():
+            return
+        if msg.headers and msg.headers.get(_STATUS_HEADER) == _NO_RESPONDERS and not msg.data:
+            fut.set_exception(TryFailed("no responders"))
+        else:
+            fut.set_result(msg)
+
+    async def request_once(self, subject: str, payload: bytes, worker: WorkerState | None) -> Msg:
+        """One try: publish the request and wait for its reply, the worker's loss, or the timeout."""
+        loop = asyncio.get_running_loop()
+        self._counter += 1
+        token = str(self._counter)
+        fut: asyncio.Future[Msg] = loop.create_future()
+        self._waiting[token] = fut
+        if worker is not None:
+            worker.waiting.add(fut)
+            worker.local_inflight += 1
+        else:
+            self._waiting_any.add(fut)
+        try:
+            await self.nc.publish(subject, payload, reply=self._inbox_prefix + token)
+            try:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    return await fut
+            except TimeoutError:
+                raise TryFailed(f"no reply from {subject} within {self.config.request_timeout_s}s") from None
+        finally:
+            del self._waiting[token]
+            if worker is not None:
+                worker.waiting.discard(fut)
+                worker.local_inflight -= 1
+            else:
+                self._waiting_any.discard(fut)
+
+    async def generate(self, build: Callable[[int], InferenceRequested], prefer: str | None = None) -> TurnGenerated:
+        """The turn for the request ``build(try_number)`` (tries count from 1), within the retry budget.
+
+        Raises ``InferenceError`` when the budget is spent (retryable) or a worker refused the request for
+        good (not retryable).
+        """
+        excluded: set[str] = set()
+        last: InferenceError | None = None
+        delay = self.config.backoff_initial_s
+        loop = asyncio.get_running_loop()
+        for attempt in range(1, self.config.max_tries + 1):
+            if attempt > 1:
+                self._on_retry()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.config.backoff_max_s)
+            worker = self.choose(prefer, excluded)
+            subject = worker.subject if worker is not None else INFER_ANY
+            request = build(attempt)
+            started = loop.time()
+            try:
+                reply = await self.request_once(subject, encode(request), worker)
+                self._check_error_reply(reply, subject)
+                turn = decode_as(reply.data, TurnGenerated)
+            except TryFailed as exc:
+                last = exc
+                if worker is not None:
+                    excluded.add(worker.worker_id)
+                log.info("inference.try_failed", request_id=request.request_id, subject=subject, error=str(exc))
+                continue
+            except SchemaError as exc:
+                raise InferenceError(f"malformed reply from {subject}: {exc}", retryable=False) from exc
+            self._on_latency(loop.time() - started)
+            return turn
+        raise InferenceError(f"no turn after {self.config.max_tries} tries: {last}", retryable=True)
+
+    @staticmethod
+    def _check_error_reply(reply: Msg, subject: str) -> None:
+        headers = reply.headers or {}
+        error = headers.get(ERROR_HEADER)
+        if error is None:
+            return
+        message = reply.data.decode(errors="replace")
+        if headers.get(RETRYABLE_HEADER, "false").lower() == "true":
+            raise TryFailed(f"{subject} answered {error}: {message}")
+        raise InferenceError(f"{subject} refused the request ({error}): {message}", retryable=False)
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default

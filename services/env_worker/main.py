@@ -1,0 +1,58 @@
+"""Entry point of ``rollout serve env-worker``: settings, logging, ops HTTP server, NATS, the worker loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from rollout_ledger.services.env_worker.envs import EnvRegistry, builtin_registry
+from rollout_ledger.services.env_worker.metrics import build_metrics
+from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
+from rollout_ledger.services.env_worker.tokenization import TurnTemplate
+from rollout_ledger.services.env_worker.worker import EnvWorker
+from rollout_ledger.shared import bus
+from rollout_ledger.shared.chat import load_chat_tokenizer
+from rollout_ledger.shared.logging import configure_logging, get_logger
+from rollout_ledger.shared.runtime import Health, HttpServer, Shutdown, ops_app
+
+log = get_logger(__name__)
+
+SERVICE = "env-worker"
+
+
+def build_envs(settings: EnvWorkerSettings) -> EnvRegistry:
+    """The built-ins, restricted to ``settings.envs`` when it names some."""
+    envs = builtin_registry()
+    names = settings.env_names()
+    return envs.only(names) if names else envs
+
+
+async def run(settings: EnvWorkerSettings, shutdown: Shutdown) -> None:
+    """Serve until ``shutdown`` is set, then drain in-flight episodes and return."""
+    metrics = build_metrics()
+    health = Health()
+    http = HttpServer(ops_app(SERVICE, health, metrics.registry), settings.http_host, settings.http_port)
+    await http.start()
+    envs = build_envs(settings)
+    template = TurnTemplate(load_chat_tokenizer(settings.model))
+    nc = await bus.connect(settings.nats_url, name=f"{SERVICE}-{settings.worker_id}",
+                           connect_timeout_s=settings.nats_connect_timeout_s)
+    try:
+        await EnvWorker(settings, nc, envs, template, metrics, health).run(shutdown)
+    finally:
+        await bus.close(nc)
+        await http.stop()
+    log.info("env_worker.stopped")
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    settings = EnvWorkerSettings()
+    configure_logging(settings.log_level, settings.log_format, service=SERVICE)
+
+    async def _main() -> None:
+        shutdown = Shutdown()
+        shutdown.install()
+        await run(settings, shutdown)
+
+    asyncio.run(_main())

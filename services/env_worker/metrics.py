@@ -1,0 +1,41 @@
+"""The env worker's Prometheus metrics, in a registry of its own (built by ``build_metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+
+
+@dataclass(frozen=True)
+class EnvWorkerMetrics:
+    """Every metric the env worker exports."""
+
+    registry: CollectorRegistry
+    episodes_in_flight: Gauge
+    turn_latency: Histogram
+    episodes_total: Counter
+    inference_retries: Counter
+    env_step_seconds: Histogram
+    cancelled_batches: Gauge
+
+
+def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics:
+    registry = registry or CollectorRegistry()
+    return EnvWorkerMetrics(
+        registry=registry,
+        episodes_in_flight=Gauge("rollout_episodes_in_flight", "Episodes this env worker is running",
+                                 registry=registry),
+        turn_latency=Histogram("rollout_turn_latency_seconds", "Inference request to reply, per successful try",
+                               buckets=_LATENCY_BUCKETS, registry=registry),
+        episodes_total=Counter("rollout_episodes_total", "Episodes ended by this worker, by terminal status",
+                               ["status"], registry=registry),
+        inference_retries=Counter("rollout_inference_retries_total", "Inference tries after the first",
+                                  registry=registry),
+        env_step_seconds=Histogram("rollout_env_step_seconds", "Time in env.step",
+                                   buckets=_LATENCY_BUCKETS, registry=registry),
+        cancelled_batches=Gauge("rollout_cancelled_batches", "Cancelled batch ids this worker knows of",
+                                registry=registry),
+    )

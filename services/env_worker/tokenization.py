@@ -1,0 +1,220 @@
+"""Token in, token out: an episode's exact token sequence, built from verbatim sampled ids and template deltas.
+
+Design note. Re-tokenising a whole conversation after every turn is wrong twice: it costs O(history) per
+turn, and the chat template or BPE merges may turn the sampled ids into different ids (the trainer would
+then learn from tokens the policy never sampled). So:
+
+- the prompt is rendered once (``add_generation_prompt=True``) and encoded once;
+- sampled ids are appended verbatim (mask 1) and never re-encoded;
+- after each step only the NEW text is encoded (mask 0): the text the chat template puts after the sampled
+  turn. It is found by rendering a small fixed conversation, ``ANCHOR + [assistant(action)] + observation``
+  (plus the generation prompt unless the episode ends), and cutting off the anchor's rendering with its
+  generation prompt and the sampled text. When the sampled ids did not end with the end-of-turn token
+  (finish ``length`` or a stop string) the delta therefore starts with the template's end-of-turn token(s).
+  The per-turn cost depends on the sizes of the action and the observation, never on the history;
+- the episode's last turn appends nothing: the sequence ends with the last sampled ids (the environment's
+  final observation conditions no action, so it is not part of the trajectory, and trainers expect the last
+  action span to end the sequence). The template's closing text after that turn (``"\n"`` after an eos, or
+  the end-of-turn token(s) after a cut turn) is kept as ``closing_text``;
+- at the end, ``verify`` checks once that decode(all ids) + ``closing_text`` equals the rendering of the whole
+  conversation (without the final observation);
+- when a turn's rendering does not extend the context (a template that rewrites past turns or drops
+  special tokens the model emitted) the turn is kept anyway and the delta carries a drift class
+  (see ``Drift``); splitting the episode into segments there is left to a later version.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+import numpy as np
+
+from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.shared.errors import TokenizationError
+
+Message = dict[str, Any]
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+_EMPTY.flags.writeable = False
+
+_ANCHORS: tuple[tuple[Message, ...], ...] = (
+    ({"role": "system", "content": "anchor"}, {"role": "user", "content": "anchor"}),
+    ({"role": "user", "content": "anchor"},),
+)
+"""Constant context rendered before the turn, so the template sees a well-formed conversation (first that renders)."""
+
+
+class Drift(enum.StrEnum):
+    """Why a turn's rendering did not extend the context token-exactly."""
+
+    ANCHOR_PREFIX = "anchor_prefix"
+    """The template rendered the constant context differently once an assistant turn followed it."""
+    ASSISTANT_RENDER = "assistant_render"
+    """The template's rendering of the assistant turn is not the sampled text (trimmed, rewritten, specials)."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """The template text appended after one sampled turn, and its ids (all mask 0)."""
+
+    text: str
+    ids: np.ndarray
+    drift: Drift | None = None
+    rendered_chars: int = 0
+    """Characters of the small conversation rendered to find the delta (its cost; constant per turn)."""
+
+
+class TurnTemplate:
+    """The chat-template arithmetic of one tokenizer: the prompt, and the delta after a sampled turn."""
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.anchor: list[Message] = []
+        self.anchor_prefix = ""
+        last: Exception | None = None
+        for anchor in _ANCHORS:
+            try:
+                self.anchor_prefix = tokenizer.render(list(anchor), add_generation_prompt=True)
+                self.anchor = list(anchor)
+                break
+            except jinja2.TemplateError as exc:
+                last = exc
+        else:
+            raise TokenizationError(f"the chat template renders none of the anchor conversations: {last}")
+
+    def prompt(self, messages: Sequence[Message]) -> tuple[str, np.ndarray]:
+        """Rendered initial messages with the generation prompt, and their ids."""
+        text = self._render(messages, add_generation_prompt=True)
+        return text, self.tokenizer.encode(text)
+
+    def delta(self, sampled_text: str, action: str, observation: Sequence[Message], final: bool) -> Delta:
+        """Ids of the text after ``sampled_text`` when ``observation`` follows the assistant's ``action``.
+
+        ``final``: no generation prompt (the episode ends after this turn).
+        """
+        turn: list[Message] = [*self.anchor, {"role": "assistant", "content": action}, *observation]
+        rendered = self._render(turn, add_generation_prompt=not final)
+        cost = len(rendered)
+        drift: Drift | None = None
+        if rendered.startswith(self.anchor_prefix) and rendered.startswith(sampled_text, len(self.anchor_prefix)):
+            text = rendered[len(self.anchor_prefix) + len(sampled_text):]
+        else:
+            drift = Drift.ASSISTANT_RENDER if rendered.startswith(self.anchor_prefix) else Drift.ANCHOR_PREFIX
+            closed = self._render([*self.anchor, {"role": "assistant", "content": action}], add_generation_prompt=False)
+            cost += len(closed)
+            text = rendered[_common_prefix_len(closed, rendered):]
+        return Delta(text=text, ids=self.tokenizer.encode(text), drift=drift, rendered_chars=cost)
+
+    def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.render(messages, add_generation_prompt=add_generation_prompt)
+        except (jinja2.TemplateError, TypeError, KeyError) as exc:
+            raise TokenizationError(f"chat template cannot render the messages: {type(exc).__name__}: {exc}") from exc
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Transcript:
+    """One episode's token sequence (prompt, sampled turns, deltas) with its loss mask and its messages."""
+
+    def __init__(self, template: TurnTemplate, messages: Sequence[Message]) -> None:
+        self.template = template
+        self.tokenizer = template.tokenizer
+        self.messages: list[Message] = list(messages)
+        self.prompt_text, self.prompt_ids = template.prompt(self.messages)
+        self._ids = np.zeros(max(256, 2 * len(self.prompt_ids)), dtype=np.int32)
+        self._mask = np.zeros_like(self._ids, dtype=np.int8)
+        self._len = 0
+        self.ends_with_generation_prompt = True
+        self.closing_text = ""
+        """Template text after the last sampled turn, not part of the sequence (see the module docstring)."""
+        self.drifts: list[Drift] = []
+        self._pending: tuple[str, str] | None = None
+        self._append(self.prompt_ids, 0)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The whole sequence so far (a read-only view; later appends do not change it)."""
+        view = self._ids[: self._len]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def mask(self) -> np.ndarray:
+        """1 on sampled ids, 0 elsewhere (same length as ``ids``)."""
+        view = self._mask[: self._len]
+        view.flags.writeable = False
+        return view
+
+    def add_sampled(self, token_ids: np.ndarray) -> str:
+        """Append a turn's sampled ids verbatim (mask 1); return the action text (special tokens skipped)."""
+        if self._pending is not None:
+            raise TokenizationError("add_sampled() twice without add_observation() between")
+        sampled_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        action = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        self._pending = (sampled_text, action)
+        self._append(token_ids, 1)
+        return action
+
+    def add_observation(self, observation: Sequence[Message], final: bool) -> Delta:
+        """Append the template text after the pending turn: ``observation`` and the generation prompt.
+
+        ``final``: the episode ends with this turn; nothing is appended (the returned delta is empty and
+        ``observation`` is dropped) and the template's closing text is kept in ``closing_text``.
+        """
+        if self._pending is None:
+            raise TokenizationError("add_observation() without a sampled turn before it")
+        sampled_text, action = self._pending
+        self._pending = None
+        self.messages.append({"role": "assistant", "content": action})
+        if final:
+            closing = self.template.delta(sampled_text, action, (), final=True)
+            self.closing_text = closing.text
+            self.ends_with_generation_prompt = False
+            delta = Delta(text="", ids=_EMPTY, drift=closing.drift, rendered_chars=closing.rendered_chars)
+        else:
+            delta = self.template.delta(sampled_text, action, observation, final=False)
+            self._append(delta.ids, 0)
+            self.messages.extend(observation)
+        if delta.drift is not None:
+            self.drifts.append(delta.drift)
+        return delta
+
+    def verify(self) -> bool:
+        """decode(all ids) + ``closing_text`` == the template's rendering of the whole conversation (once per
+        episode)."""
+        if self._pending is not None:
+            return False
+        try:
+            rendered = self.tokenizer.render(self.messages, add_generation_prompt=self.ends_with_generation_prompt)
+        except (jinja2.TemplateError, TypeError, KeyError):
+            return False
+        return bool(self.tokenizer.decode(self.ids, skip_special_tokens=False) + self.closing_text == rendered)
+
+    def _append(self, ids: np.ndarray, mask: int) -> None:
+        n = len(ids)
+        end = self._len + n
+        if end > len(self._ids):
+            size = max(end, 2 * len(self._ids))
+            grown = np.zeros(size, dtype=np.int32)
+            grown[: self._len] = self._ids[: self._len]
+            grown_mask = np.zeros(size, dtype=np.int8)
+            grown_mask[: self._len] = self._mask[: self._len]
+            self._ids, self._mask = grown, grown_mask
+        self._ids[self._len: end] = ids
+        self._mask[self._len: end] = mask
+        self._len = end

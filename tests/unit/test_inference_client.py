@@ -1,0 +1,221 @@
+"""The inference client against real NATS: heartbeat registry, sticky routing, failover and the retry budget.
+
+The inference workers here are tiny in-test responders speaking the fixed protocol (request/reply on the
+worker's subject or ``INFER_ANY``, error replies with ``Rollout-Error`` headers, heartbeats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
+from rollout_ledger.shared import bus
+from rollout_ledger.shared.errors import InferenceError
+from rollout_ledger.shared.events import (
+    FinishReason,
+    InferenceRequested,
+    SamplingParams,
+    TurnGenerated,
+    decode_as,
+    dumps,
+    encode,
+)
+from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
+
+
+class Responder:
+    """An in-test inference worker: ``mode`` is reply, silent, retryable or fatal."""
+
+    def __init__(self, nc: bus.NATS, worker_id: str, mode: str = "reply", capacity: int = 8,
+                 join_any: bool = False) -> None:
+        self.nc, self.worker_id, self.mode, self.capacity, self.join_any = nc, worker_id, mode, capacity, join_any
+        self.requests: list[InferenceRequested] = []
+        self.draining = False
+        self.inflight = 0
+        self._subs: list[Subscription] = []
+        self._beat: asyncio.Task[None] | None = None
+
+    async def start(self, heartbeat: bool = True) -> Responder:
+        self._subs.append(await self.nc.subscribe(infer_worker_subject(self.worker_id), cb=self._on_request))
+        if self.join_any:
+            self._subs.append(await self.nc.subscribe(INFER_ANY, queue=INFER_QUEUE, cb=self._on_request))
+        if heartbeat:
+            await self.beat()
+            self._beat = asyncio.create_task(self._beat_forever())
+        await self.nc.flush()
+        return self
+
+    async def beat(self) -> None:
+        await self.nc.publish(INFER_HEARTBEAT, dumps({
+            "worker_id": self.worker_id, "subject": infer_worker_subject(self.worker_id), "inflight": self.inflight,
+            "capacity": self.capacity, "weight_version": 0, "engine": "test", "draining": self.draining,
+            "time": time.time()}))
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            await self.beat()
+
+    def stop_heartbeats(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+
+    async def stop(self) -> None:
+        self.stop_heartbeats()
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_request(self, msg: Msg) -> None:
+        req = decode_as(msg.data, InferenceRequested)
+        self.requests.append(req)
+        if self.mode == "silent":
+            return
+        if self.mode in ("retryable", "fatal"):
+            retryable = "true" if self.mode == "retryable" else "false"
+            headers = {"Rollout-Error": "EngineError", "Rollout-Retryable": retryable}
+            await self.nc.publish(msg.reply, b"engine said no", headers=headers)
+            return
+        turn = TurnGenerated(
+            event_id=req.request_id, episode_id=req.episode_id, batch_id=req.batch_id, attempt=req.attempt,
+            seq=req.reply_seq, produced_by=f"test/{self.worker_id}", request_id=req.request_id,
+            turn_index=req.turn_index, prompt_len=len(req.prompt_token_ids), token_ids=np.asarray([5, 6, 2]),
+            logprobs=np.zeros(3, dtype=np.float32), finish_reason=FinishReason.STOP, weight_version=0,
+            engine="test", worker_id=self.worker_id, queue_ms=0.0, generate_ms=0.0)
+        await self.nc.publish(msg.reply, encode(turn))
+
+
+def request_builder(turn: int = 0) -> Any:
+    def build(try_no: int) -> InferenceRequested:
+        rid = f"b.0.0:a1:t{turn}:r{try_no}"
+        return InferenceRequested(event_id=rid, episode_id="b.0.0", batch_id="b", attempt=1, seq=2 * turn + 1,
+                                  produced_by="test", request_id=rid, turn_index=turn,
+                                  prompt_token_ids=np.arange(10, dtype=np.int32), sampling=SamplingParams(),
+                                  max_tokens=8, reply_seq=2 * turn + 1)
+    return build
+
+
+@pytest.fixture
+async def client(nc: bus.NATS) -> Any:
+    retries: list[int] = []
+    c = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5.0, max_tries=3, backoff_initial_s=0.01,
+                                                  backoff_max_s=0.05, heartbeat_timeout_s=0.5),
+                        on_retry=lambda: retries.append(1))
+    c.retries = retries
+    await c.start()
+    yield c
+    await c.stop()
+
+
+async def until(cond: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def test_no_worker_known_goes_to_infer_any(nc: bus.NATS, client: InferenceClient) -> None:
+    anon = await Responder(nc, "anon", join_any=True).start(heartbeat=False)
+    turn = await client.generate(request_builder())
+    assert turn.worker_id == "anon" and turn.request_id == "b.0.0:a1:t0:r1"
+    assert client.workers == {}
+    await anon.stop()
+
+
+async def test_sticky_then_least_loaded_and_draining(nc: bus.NATS, client: InferenceClient) -> None:
+    w1 = await Responder(nc, "w1").start()
+    w2 = await Responder(nc, "w2").start()
+    await until(lambda: set(client.workers) == {"w1", "w2"})
+    for _ in range(3):
+        assert (await client.generate(request_builder(), prefer="w2")).worker_id == "w2"
+    assert len(w2.requests) == 3 and not w1.requests
+    # least loaded without a preference
+    client.workers["w2"].local_inflight = 5
+    assert client.choose() is client.workers["w1"]
+    # a full sticky worker is left for the least loaded one
+    client.workers["w2"].local_inflight = 8
+    assert client.choose(prefer="w2") is client.workers["w1"]
+    client.workers["w2"].local_inflight = 0
+    # a draining worker gets no new requests, even when it is the sticky one
+    w2.draining = True
+    await until(lambda: client.workers["w2"].draining)
+    assert (await client.generate(request_builder(), prefer="w2")).worker_id == "w1"
+    await w1.stop()
+    await w2.stop()
+
+
+async def test_failover_when_heartbeats_stop(nc: bus.NATS, client: InferenceClient) -> None:
+    hung = await Responder(nc, "hung", mode="silent").start()
+    good = await Responder(nc, "good").start()
+    await until(lambda: set(client.workers) == {"hung", "good"})
+    started = time.monotonic()
+    task = asyncio.create_task(client.generate(request_builder(), prefer="hung"))
+    await until(lambda: len(hung.requests) == 1)
+    hung.stop_heartbeats()
+    turn = await task
+    elapsed = time.monotonic() - started
+    assert turn.worker_id == "good" and turn.request_id == "b.0.0:a1:t0:r2"
+    assert elapsed < 2.0, "failover must not wait for the request timeout (5 s here)"
+    assert "hung" not in client.workers
+    assert client.retries == [1]
+    await hung.stop()
+    await good.stop()
+
+
+async def test_failover_on_no_responders_and_retryable_errors(nc: bus.NATS, client: InferenceClient) -> None:
+    ghost = Responder(nc, "ghost")  # heartbeats but nobody listens on its subject
+    await ghost.beat()
+    flaky = await Responder(nc, "flaky", mode="retryable").start()
+    await until(lambda: {"ghost", "flaky"} <= set(client.workers))
+    good = await Responder(nc, "good").start()
+    await until(lambda: "good" in client.workers)
+    client.workers["good"].local_inflight = 100  # least preferred: tried last
+    client.workers["flaky"].local_inflight = 1
+    turn = await client.generate(request_builder(), prefer="ghost")
+    client.workers["good"].local_inflight -= 100
+    assert turn.worker_id == "good" and turn.request_id.endswith(":r3")
+    assert [r.request_id for r in flaky.requests] == ["b.0.0:a1:t0:r2"]
+    await flaky.stop()
+    await good.stop()
+
+
+async def test_non_retryable_error_fails_at_once(nc: bus.NATS, client: InferenceClient) -> None:
+    bad = await Responder(nc, "bad", mode="fatal").start()
+    await Responder(nc, "good").start()
+    await until(lambda: {"bad", "good"} <= set(client.workers))
+    with pytest.raises(InferenceError) as info:
+        await client.generate(request_builder(), prefer="bad")
+    assert info.value.retryable is False and "EngineError" in str(info.value)
+    assert len(bad.requests) == 1
+    await bad.stop()
+
+
+async def test_budget_exhausted_without_workers(nc: bus.NATS, client: InferenceClient) -> None:
+    with pytest.raises(InferenceError) as info:
+        await client.generate(request_builder(turn=2))
+    assert info.value.retryable is True and "3 tries" in str(info.value)
+    assert client.retries == [1, 1]
+
+
+async def test_request_timeout_counts_as_a_try(nc: bus.NATS) -> None:
+    c = InferenceClient(nc, InferenceClientConfig(request_timeout_s=0.3, max_tries=2, backoff_initial_s=0.0,
+                                                  heartbeat_timeout_s=30.0))
+    await c.start()
+    slow = await Responder(nc, "slow", mode="silent").start()
+    await until(lambda: "slow" in c.workers)
+    started = time.monotonic()
+    with pytest.raises(InferenceError):
+        await c.generate(request_builder())
+    assert 0.3 <= time.monotonic() - started < 3.0  # one timeout, then no responders on INFER_ANY
+    assert [r.request_id for r in slow.requests] == ["b.0.0:a1:t0:r1"]  # try 2 went to INFER_ANY (excluded)
+    await slow.stop()
+    await c.stop()
