@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextlib
 import json
 import os
 import platform
@@ -72,8 +73,37 @@ class RssSampler:
         return out
 
 
+def all_pids(stack: DevStack) -> dict[str, int]:
+    """Service processes plus the NATS server and the Postgres postmaster (its backends are children)."""
+    assert stack.stack is not None
+    pids = {p.name: p.proc.pid for p in stack.stack.procs if p.proc is not None}
+    if stack.infra.nats is not None and stack.infra.nats.proc is not None:
+        pids["nats-server"] = stack.infra.nats.proc.pid
+    if stack.infra.postgres is not None:
+        pidfile = stack.infra.postgres.datadir / "postmaster.pid"
+        pids["postgres"] = int(pidfile.read_text().split()[0])
+    return pids
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    out = {}
+    for name, pid in pids.items():
+        try:
+            proc = psutil.Process(pid)
+            total = sum(proc.cpu_times()[:2])
+            for child in proc.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    total += sum(child.cpu_times()[:2])
+            out[name] = total
+        except psutil.Error:
+            out[name] = 0.0
+    return out
+
+
 def run_pipeline(stack: DevStack, episodes: int, turns: int, max_tokens: int = 16) -> dict[str, Any]:
     engine = create_engine(sync_url(stack.infra.database_url))
+    pids = all_pids(stack)
+    cpu0 = cpu_seconds(pids)
     tasks = [{"turns": turns}] * episodes
     t0 = time.perf_counter()
     resp = httpx.post(f"{stack.scheduler_url}/v1/batches", timeout=120,
@@ -87,6 +117,7 @@ def run_pipeline(stack: DevStack, episodes: int, turns: int, max_tokens: int = 1
             time.sleep(0.2)
             conn.commit()
         wall = time.perf_counter() - t0
+        cpu1 = cpu_seconds(pids)
         # cycle time of each turn after the first: step(t) - step(t-1) of the same attempt (all system overhead)
         lat = conn.execute(text("""
             select extract(epoch from s.produced_at - lag(s.produced_at) over w) * 1000 as ms
@@ -106,6 +137,7 @@ def run_pipeline(stack: DevStack, episodes: int, turns: int, max_tokens: int = 1
     if cycle.size:
         out["turn_cycle_ms_p50"] = round(float(np.percentile(cycle, 50)), 1)
         out["turn_cycle_ms_p99"] = round(float(np.percentile(cycle, 99)), 1)
+    out["cpu_ms_per_turn"] = {k: round((cpu1[k] - cpu0[k]) * 1000 / max(n_turns, 1), 3) for k in pids}
     out["recorder_lag_ms_p50"] = round(float(np.percentile(lags, 50)), 1)
     out["recorder_lag_ms_p99"] = round(float(np.percentile(lags, 99)), 1)
     return out

@@ -45,7 +45,10 @@ EXAMPLE_SQL = (
 def run_demo(num_tasks: int = 8, group_size: int = 4, out: Path = Path("exports"), engine: str = "fake",
              console: Console | None = None) -> int:
     """Run the demo; 0 when every submitted episode has its trajectory in Postgres."""
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=160)
     t0 = time.monotonic()
     console.print(f"[bold]Rollout Ledger demo[/bold] — engine: {engine}")
     with DevStack(scheduler_port=None, engine=engine, echo=console.print) as stack:

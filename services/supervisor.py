@@ -21,6 +21,8 @@ from rollout_ledger.services.localinfra import free_port
 from rollout_ledger.shared.errors import InfraError
 
 SERVICES = ("scheduler", "env-worker", "inference-worker", "recorder")
+STOP_ORDER = ("scheduler", "env-worker", "inference-worker", "recorder", "")
+"""Tiers stopped one after another on shutdown ("" = anything else)."""
 
 
 @dataclass
@@ -130,9 +132,18 @@ class Stack:
             proc.wait_ready()
         return proc
 
-    def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
+    def stop_all(self, timeout_s: float = 30.0) -> None:
+        """Drain in dependency order: the API, then env workers (their episodes still need inference), then
+        inference workers, then recorders (so every event is recorded). Each tier gets SIGTERM at once and
+        ``timeout_s`` to exit before SIGKILL."""
+        for tier in STOP_ORDER:
+            group = [p for p in self.procs if p.service == tier] if tier else [
+                p for p in self.procs if p.service not in STOP_ORDER]
+            for proc in group:
+                proc.signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for proc in group:
+                proc.stop(max(0.1, deadline - time.monotonic()))
         self.procs.clear()
 
     def __enter__(self) -> Stack:
