@@ -3,7 +3,7 @@
 Design note.
 
 - One ``AsyncLLM`` per worker process. Its engine core runs in a child process (vLLM V1 always does this for
-  ``AsyncLLM``); this process only tokenises nothing (prompts arrive as ids), sends requests over ZMQ and turns
+  ``AsyncLLM``); this process tokenises nothing (prompts arrive as ids), sends requests over ZMQ and turns
   outputs into ``Generation``. ``start`` builds the engine in a worker thread so the event loop (and with it
   ``/healthz``) keeps running during the 5-30 s load; vLLM starts its output-handler task lazily on the first
   request, in the loop that makes it. All later calls must come from that one loop.
@@ -62,6 +62,9 @@ FINISH_REASONS: Mapping[str, FinishReason] = {
 
 WARMUP_PROMPT_LENS = (16, 384)
 """Prompt lengths of the warm-up requests: the first request at a new length is slow (3-6 s on CPU)."""
+
+ABORT_GRACE_S = 2.0
+"""After ``abort``, how long vLLM may take to finish the request before its task is cancelled."""
 
 SMALL_MACHINE_CPUS = 4
 """At most this many CPUs: no core is reserved for vLLM's scheduler process."""
@@ -161,17 +164,24 @@ class VllmEngine:
 
     def __init__(self, settings: InferenceSettings) -> None:
         self.settings = settings
+        self.request_timeout_s = settings.request_timeout_s
+        """A request running longer is aborted and fails (retryable)."""
         self.llm: Any = None
         """The ``vllm.AsyncLLMEngine`` once started (tests and benchmarks may drive it directly)."""
         self.start_s: float | None = None
         """Seconds ``start`` took (build plus warm-up)."""
-        self._inflight: set[str] = set()
+        self._requests: dict[str, asyncio.Task[Any]] = {}
         self._dead: BaseException | None = None
 
     @property
     def healthy(self) -> bool:
         """Started and the engine core has not died."""
         return self.llm is not None and self._dead is None and not self.llm.errored
+
+    @property
+    def inflight(self) -> frozenset[str]:
+        """Request ids being generated now."""
+        return frozenset(self._requests)
 
     def engine_args(self) -> vllm.AsyncEngineArgs:
         """vLLM engine arguments from settings (setting the CPU variables first when on CPU)."""
@@ -203,12 +213,14 @@ class VllmEngine:
 
     async def _warm_up(self) -> None:
         """One short greedy generation per ``WARMUP_PROMPT_LENS`` (then forget their cached prefixes)."""
-        greedy = SamplingParams(temperature=0.0, max_tokens=4)
+        greedy = SamplingParams.model_validate({"temperature": 0.0, "max_tokens": 4})
         limit = self.llm.model_config.max_model_len - greedy.max_tokens
         for n in WARMUP_PROMPT_LENS:
             n = min(n, limit)
             prompt = np.arange(100, 100 + n, dtype=np.int32)
+            began = time.perf_counter()
             await self.generate(f"warmup-{n}", prompt, greedy, greedy.max_tokens)
+            log.info("vllm.warmup", prompt_len=n, seconds=round(time.perf_counter() - began, 2))
         if self.settings.vllm_enable_prefix_caching:
             await self.llm.reset_prefix_cache()
 
@@ -227,17 +239,26 @@ class VllmEngine:
             raise InferenceError("the vLLM engine is not started", retryable=True)
         if self._dead is not None or llm.errored:
             raise InferenceError(f"the vLLM engine is dead: {self._dead or llm.dead_error}", retryable=True)
-        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).tolist()])
+        if request_id in self._requests:
+            raise InferenceError(f"request {request_id} is already in flight", retryable=False)
+        prompt = TokensPrompt(prompt_token_ids=np.asarray(prompt_token_ids, dtype=np.int64).tolist())
         params = sampling_params(sampling, max_tokens)
-        final: Any = None
-        self._inflight.add(request_id)
+        # The request runs in a task of its own so that ``abort`` can always end it (see ``abort``).
+        task = asyncio.create_task(self._final_output(llm, prompt, params, request_id), name=f"vllm:{request_id}")
+        self._requests[request_id] = task
         try:
-            async with asyncio.timeout(self.settings.request_timeout_s):
-                async for output in llm.generate(prompt, params, request_id):
-                    final = output
+            async with asyncio.timeout(self.request_timeout_s):
+                final = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if (current is not None and current.cancelling()) or not task.cancelled():
+                raise
+            # ``abort`` cancelled a request vLLM had not admitted yet: it ends like any aborted request
+            empty = np.zeros(0, dtype=np.int32)
+            return Generation(empty, np.zeros(0, dtype=np.float32), FinishReason.ABORT)
         except TimeoutError as exc:
-            raise InferenceError(f"request {request_id} ran past {self.settings.request_timeout_s}s and was "
-                                 "aborted", retryable=True) from exc
+            raise InferenceError(f"request {request_id} ran past {self.request_timeout_s}s and was aborted",
+                                 retryable=True) from exc
         except EngineDeadError as exc:
             self._dead = exc
             log.error("vllm.engine_dead", request_id=request_id)
@@ -248,7 +269,7 @@ class VllmEngine:
             raise InferenceError(f"vLLM failed request {request_id}: {type(exc).__name__}: {exc}",
                                  retryable=True) from exc
         finally:
-            self._inflight.discard(request_id)
+            self._requests.pop(request_id, None)
         if final is None or not final.outputs:
             raise InferenceError(f"vLLM returned no output for request {request_id}", retryable=True)
         completion = final.outputs[0]
@@ -257,18 +278,34 @@ class VllmEngine:
             top_k=sampling.logprobs, cached_tokens=final.num_cached_tokens, request_id=request_id,
         )
 
+    @staticmethod
+    async def _final_output(llm: Any, prompt: TokensPrompt, params: vllm.SamplingParams, request_id: str) -> Any:
+        final = None
+        async for output in llm.generate(prompt, params, request_id):
+            final = output
+        return final
+
     async def abort(self, request_id: str) -> None:
-        """Finish the request now with reason ``abort`` (no-op when unknown or done)."""
-        if self.llm is not None and request_id in self._inflight:
-            await self.llm.abort(request_id)
+        """End the request now with reason ``abort`` and the ids it had (no-op when unknown or done).
+
+        vLLM's ``abort`` ignores an id it has not admitted yet; when the request is still running after
+        ``ABORT_GRACE_S`` its task is cancelled instead, which makes vLLM drop it.
+        """
+        task = self._requests.get(request_id)
+        if task is None or task.done() or self.llm is None:
+            return
+        await self.llm.abort(request_id)
+        _, pending = await asyncio.wait({task}, timeout=ABORT_GRACE_S)
+        if pending:
+            task.cancel()
 
     async def stop(self) -> None:
         """Abort what is still in flight and shut the engine (and its core process) down."""
-        llm, self.llm = self.llm, None
+        llm = self.llm
         if llm is None:
             return
-        if self._inflight and not llm.errored:
-            await llm.abort(list(self._inflight))
+        if self._requests:
+            await asyncio.gather(*(self.abort(rid) for rid in list(self._requests)), return_exceptions=True)
+        self.llm = None
         await asyncio.to_thread(llm.shutdown)
         log.info("vllm.stopped")
-
