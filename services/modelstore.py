@@ -69,6 +69,8 @@ def convert(gguf: Path, out: Path, with_weights: bool) -> None:
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
         model.save_pretrained(str(tmp))
+    for path in tmp.iterdir():
+        path.chmod(0o644)  # readable by the unprivileged users services run as
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
