@@ -73,7 +73,7 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 2.0, initia
                 log.info("nats.connect_retry", url=url, error=str(last))
 
 
-def stream_config(spec: StreamSpec) -> js_api.StreamConfig:
+def stream_config(spec: StreamSpec, replicas: int = 1) -> js_api.StreamConfig:
     return js_api.StreamConfig(
         name=spec.name,
         description=spec.description,
@@ -83,6 +83,7 @@ def stream_config(spec: StreamSpec) -> js_api.StreamConfig:
         max_age=spec.max_age_s,
         duplicate_window=spec.duplicate_window_s,
         max_msg_size=spec.max_msg_size,
+        num_replicas=replicas,
     )
 
 
@@ -126,12 +127,25 @@ def consumer_config(spec: ConsumerSpec) -> js_api.ConsumerConfig:
     )
 
 
-async def ensure_streams(js: JetStreamContext, max_msg_size: int | None = None) -> None:
-    """Create or update every stream of the contract (idempotent; safe from every service at start)."""
+def stream_replicas(replicas: int | None) -> int:
+    """``replicas`` or, when None, ``ROLLOUT_STREAM_REPLICAS`` (the services call ``ensure_topology(js)``)."""
+    if replicas is not None:
+        return replicas
+    from rollout_ledger.shared.settings import BaseServiceSettings
+
+    return BaseServiceSettings().stream_replicas
+
+
+async def ensure_streams(js: JetStreamContext, max_msg_size: int | None = None, replicas: int | None = None) -> None:
+    """Create or update every stream of the contract (idempotent; safe from every service at start).
+
+    ``replicas`` (default: ``ROLLOUT_STREAM_REPLICAS``) is 1 on one NATS server and 3 on a JetStream cluster.
+    """
+    num_replicas = stream_replicas(replicas)
     for spec in STREAMS:
         if max_msg_size is not None:
             spec = replace(spec, max_msg_size=max_msg_size)
-        cfg = stream_config(spec)
+        cfg = stream_config(spec, num_replicas)
         try:
             await js.add_stream(cfg)
         except BadRequestError:
@@ -149,19 +163,24 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
             await js.update_consumer(spec.stream, cfg)
 
 
-async def ensure_buckets(js: JetStreamContext) -> None:
+async def ensure_buckets(js: JetStreamContext, replicas: int | None = None) -> None:
+    num_replicas = stream_replicas(replicas)
     for bucket in (ENVS_BUCKET, CANCEL_BUCKET):
         try:
             await js.key_value(bucket)
         except NotFoundError:
             with contextlib.suppress(BadRequestError):
-                await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1))
+                await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, replicas=num_replicas))
 
 
-async def ensure_topology(js: JetStreamContext) -> None:
-    """Streams and buckets of the contract (consumers are declared by the services that own them)."""
-    await ensure_streams(js)
-    await ensure_buckets(js)
+async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> None:
+    """Streams and buckets of the contract (consumers are declared by the services that own them).
+
+    ``replicas`` defaults to ``ROLLOUT_STREAM_REPLICAS`` (see ``ensure_streams``).
+    """
+    num_replicas = stream_replicas(replicas)
+    await ensure_streams(js, replicas=num_replicas)
+    await ensure_buckets(js, num_replicas)
 
 
 def msg_id_headers(event_id: str) -> dict[str, str]:

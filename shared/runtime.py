@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from rollout_ledger.shared.deploy import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
 from rollout_ledger.shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -40,19 +41,19 @@ def ops_app(service: str, health: Health, registry: CollectorRegistry, app: Fast
     """Add /healthz, /readyz and /metrics to ``app`` (a new FastAPI app when None)."""
     app = app or FastAPI(title=f"rollout-ledger {service}", docs_url=None, redoc_url=None)
 
-    @app.get("/healthz", include_in_schema=False)
+    @app.get(LIVENESS_PATH, include_in_schema=False)
     async def healthz() -> dict[str, Any]:
         ok, checks = health.status()
         return {"service": service, "alive": True, "ready": ok, "draining": health.draining, "checks": checks}
 
-    @app.get("/readyz", include_in_schema=False)
+    @app.get(READINESS_PATH, include_in_schema=False)
     async def readyz(response: Response) -> dict[str, Any]:
         ok, checks = health.status()
         if not ok:
             response.status_code = 503
         return {"service": service, "ready": ok, "checks": checks}
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.get(METRICS_PATH, include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

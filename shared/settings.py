@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rollout_ledger.shared.deploy import HTTP_PORT
+
 
 def default_model_dir() -> Path:
     """Where ``rollout model fetch`` caches the converted SmolLM2-135M-Instruct."""
@@ -49,7 +51,7 @@ class BaseServiceSettings(BaseSettings):
     """Identity of this process in events and metrics (defaults to host-pid)."""
     http_host: str = "0.0.0.0"
     """Address the service's HTTP server (health, metrics, API) binds."""
-    http_port: int = 8000
+    http_port: int = HTTP_PORT
     """Port of the HTTP server; 0 picks a free one."""
     model: str = Field(default_factory=lambda: str(default_model_dir()))
     """Hugging Face model directory (or hub id where a hub is reachable); tokenizer and template come from it."""
@@ -57,6 +59,9 @@ class BaseServiceSettings(BaseSettings):
     """On SIGTERM, how long in-flight work may take to finish before the process exits."""
     nats_connect_timeout_s: float = 2.0
     """Bounded connect timeout (nats-py's default takes minutes to fail)."""
+    stream_replicas: int = Field(1, ge=1, le=5)
+    """Replicas of every JetStream stream and KV bucket the services declare: 1 on a single NATS server, 3 on a
+    three-node JetStream cluster (an existing stream is scaled to it at the next service start)."""
 
     @field_validator("database_url")
     @classmethod

@@ -1,0 +1,97 @@
+"""The scripts the manifests run, against real Postgres: the exporter CronJob's script and the wait-schema init
+container."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, insert
+from sqlalchemy.engine import make_url
+
+from rollout_ledger.migrations.runner import sync_url
+from rollout_ledger.shared import deploy
+from rollout_ledger.shared.db import batches, episodes
+from rollout_ledger.shared.errors import RolloutError
+from tests.deploy.manifests import K8S
+
+SCRIPT = K8S / "base" / "export_finished.py"
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("export_finished", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def add_batch(database_url: str, batch_id: str, statuses: list[str]) -> None:
+    engine = create_engine(sync_url(database_url))
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert(batches).values(
+                id=batch_id, env="arithmetic", group_size=len(statuses), max_turns=1, sampling={}, num_tasks=1,
+                num_episodes=len(statuses), request_hash="0" * 64))
+            conn.execute(insert(episodes), [
+                {"id": f"{batch_id}.0.{i}", "batch_id": batch_id, "group_id": f"{batch_id}.0", "group_index": i,
+                 "task_index": 0, "env": "arithmetic", "task": {"seed": 0}, "status": status}
+                for i, status in enumerate(statuses)
+            ])
+    finally:
+        engine.dispose()
+
+
+def test_exporter_script_writes_each_finished_batch_once(database_url: str, tmp_path: Path) -> None:
+    script = load_script()
+    add_batch(database_url, "done", ["completed", "failed", "cancelled"])
+    add_batch(database_url, "busy", ["completed", "running"])
+    assert script.finished_batches(database_url) == ["done"]
+    written = script.export_new(database_url, tmp_path, "jsonl")
+    assert written == [tmp_path / "done.jsonl"]
+    assert written[0].is_file()
+    assert script.export_new(database_url, tmp_path, "jsonl") == [], "a batch already exported is skipped"
+
+
+def test_exporter_script_refuses_bad_arguments() -> None:
+    assert load_script().main(["export_finished.py", "/exports", "csv"]) == 2
+
+
+async def test_wait_schema_returns_on_a_migrated_database(database_url: str) -> None:
+    await deploy.wait_for_schema(database_url, timeout_s=10)
+
+
+async def test_wait_schema_gives_up_after_its_timeout(database_url: str) -> None:
+    missing = make_url(database_url).set(database="no_such_database").render_as_string(hide_password=False)
+    with pytest.raises(RolloutError):
+        await deploy.wait_for_schema(missing, timeout_s=0.5, interval_s=0.1)
+
+
+def test_wait_schema_command_exit_codes(database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATABASE_URL", database_url)
+    assert deploy.main(["wait-schema", "--timeout", "5"]) == 0
+    missing = make_url(database_url).set(database="no_such_database").render_as_string(hide_password=False)
+    monkeypatch.setenv("DATABASE_URL", missing)
+    assert deploy.main(["wait-schema", "--timeout", "0.3"]) == 1
+
+
+async def test_streams_and_buckets_take_their_replicas_from_the_setting(
+    nc: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollout_ledger.shared import bus
+    from rollout_ledger.shared.subjects import CANCEL_BUCKET, STREAMS
+
+    monkeypatch.setenv("ROLLOUT_STREAM_REPLICAS", "1")
+    assert bus.stream_replicas(None) == 1
+    assert bus.stream_replicas(3) == 3
+    js = nc.jetstream()
+    await bus.ensure_topology(js)
+    for spec in STREAMS:
+        assert (await js.stream_info(spec.name)).config.num_replicas == 1
+    assert (await js.stream_info(f"KV_{CANCEL_BUCKET}")).config.num_replicas == 1
+    monkeypatch.setenv("ROLLOUT_STREAM_REPLICAS", "0")
+    with pytest.raises(ValueError):
+        bus.stream_replicas(None)
