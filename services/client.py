@@ -44,10 +44,10 @@ class SchedulerClient:
 
     def submit(self, **body: Any) -> dict[str, Any]:
         body = {k: v for k, v in body.items() if v is not None}
-        return self._check(self.http.post("/v1/batches", json=body))  # type: ignore[no-any-return]
+        return self._check(self.http.post("/v1/batches", json=body))
 
     def batch(self, batch_id: str) -> dict[str, Any]:
-        return self._check(self.http.get(f"/v1/batches/{batch_id}"))  # type: ignore[no-any-return]
+        return self._check(self.http.get(f"/v1/batches/{batch_id}"))
 
     def follow(self, batch_id: str, poll_s: float = 0.5, console: Console | None = None,
                timeout_s: float | None = None) -> dict[str, Any]:

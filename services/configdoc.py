@@ -19,7 +19,7 @@ SETTINGS = {
 
 def _load(path: str) -> type[BaseServiceSettings]:
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), name)
 
 
 def env_name(name: str, info: FieldInfo) -> str:

@@ -165,7 +165,7 @@ class PrivatePostgres:
                               **kwargs)  # type: ignore[call-overload]  # user/group only when root
         if proc.returncode != 0:
             raise InfraError(f"{Path(args[0]).name} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout}")
-        return proc  # type: ignore[no-any-return]
+        return proc
 
     def start(self) -> None:
         bindir = find_pg_bindir()

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from rollout_ledger.shared.logging import get_logger
 from rollout_ledger.shared.settings import default_model_dir
@@ -60,14 +61,15 @@ def convert(gguf: Path, out: Path, with_weights: bool) -> None:
     tok.save_pretrained(str(tmp))
     if with_weights:
         import torch
-        from transformers import AutoModelForCausalLM, GgufConfig  # type: ignore[attr-defined]
+        from transformers import AutoModelForCausalLM, GgufConfig
 
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16,
             quantization_config=GgufConfig(dequantize=True),
         )
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
+        quantizer: Any = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:  # transformers 5 refuses to save a model that still names its GGUF quantization
+            quantizer.remove_quantization_config(model)
         model.save_pretrained(str(tmp))
     for path in tmp.iterdir():
         path.chmod(0o644)  # readable by the unprivileged users services run as

@@ -17,9 +17,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import BadRequestError, NotFoundError
-from pydantic import BaseModel
 
 from rollout_ledger.shared.errors import BusError
+from rollout_ledger.shared.events import EventBase, encode
 from rollout_ledger.shared.logging import get_logger
 from rollout_ledger.shared.subjects import (
     CANCEL_BUCKET,
@@ -156,11 +156,10 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
     """Create the durable consumer, or update it to ``spec`` when it exists."""
     cfg = consumer_config(spec)
     try:
+        # The server's consumer-create is create-or-update for a durable whose changes are compatible.
         await js.add_consumer(spec.stream, cfg)
-    except BadRequestError:
-        # Exists with other settings: update what may be updated.
-        with contextlib.suppress(BadRequestError):
-            await js.update_consumer(spec.stream, cfg)
+    except BadRequestError as exc:
+        log.warning("nats.consumer_not_updated", consumer=spec.durable, stream=spec.stream, error=str(exc))
 
 
 async def ensure_buckets(js: JetStreamContext, replicas: int | None = None) -> None:
@@ -189,13 +188,11 @@ def msg_id_headers(event_id: str) -> dict[str, str]:
 
 async def publish_event(
     js: JetStreamContext,
-    event: BaseModel,
+    event: EventBase,
     *,
     timeout: float = 10.0,  # noqa: ASYNC109 - nats-py's per-request publish timeout
 ) -> js_api.PubAck:
     """Publish one event to its subject with its ``event_id`` as ``Nats-Msg-Id``; await the stream's ack."""
-    from rollout_ledger.shared.events import encode
-
     event_type = str(event.type)
     subject = WORK_SUBJECT if event_type == "episode.requested" else event_subject(event_type)
     try:

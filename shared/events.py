@@ -97,6 +97,8 @@ class FailureClass(enum.StrEnum):
 class _Event(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
+    type: str
+    """The event type (each subclass pins it to a literal: the union's discriminator)."""
     event_id: str = Field(min_length=1, max_length=256)
     """Unique and deterministic per logical event; the ``Nats-Msg-Id`` it is published with."""
     schema_version: int = SCHEMA_VERSION
@@ -113,6 +115,10 @@ class _Event(BaseModel):
     """``service/worker-id`` of the producer."""
     time: datetime = Field(default_factory=utcnow)
     """When the producer created the event (UTC)."""
+
+
+EventBase = _Event
+"""The envelope every event type extends (for type hints of code that handles any event)."""
 
 
 class EpisodeRequested(_Event):
@@ -269,7 +275,7 @@ _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 def encode(event: BaseModel) -> bytes:
     """Bus bytes of an event: a msgpack map, token arrays as raw little-endian ``bin`` (see shared/tokens.py)."""
-    return msgpack.packb(event.model_dump(mode="python"), datetime=True)  # type: ignore[no-any-return]
+    return msgpack.packb(event.model_dump(mode="python"), datetime=True)
 
 
 def _unpack(data: bytes | str) -> Any:

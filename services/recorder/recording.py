@@ -1,9 +1,11 @@
 """The recording rules: how one fetched batch of events becomes rows, trajectories and ack decisions.
 
 Order inside the one transaction of a batch: dead letters for undecodable messages; ``episode.started``
-updates; turns and steps (bulk COPY, ``ON CONFLICT DO NOTHING``); terminal events; then ``superseded`` is
-reconciled for every episode the batch touched. Every write is idempotent, so a redelivered or replayed batch
-changes nothing.
+updates; turns and steps (binary COPY; a duplicate falls back to ``ON CONFLICT DO NOTHING``); terminal events,
+in rounds of distinct episodes, each round read and written with a handful of bulk statements; then
+``superseded`` is reconciled for every episode whose state the batch changed and every episode whose new rows
+are not plainly current (another attempt, a terminal episode). Every write is idempotent, so a redelivered or
+replayed batch changes nothing.
 
 Attempts. The kept attempt of an episode is the latest one the lifecycle let start (``episodes.attempt``).
 A terminal event of an older attempt, or of any attempt once the episode is terminal, changes nothing (its
@@ -22,7 +24,7 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TypeAlias
 
 from rollout_ledger.shared.errors import SchemaError
 from rollout_ledger.shared.events import (
@@ -38,8 +40,8 @@ from rollout_ledger.shared.events import (
 from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus
 from rollout_ledger.shared.logging import get_logger
 
-from .assembly import Incomplete, Trajectory, assemble, pair_records
-from .store import DeadLetter, EpisodeRow, Tx
+from .assembly import Incomplete, StepRecord, TurnRecord, assemble, pair_records
+from .store import DeadLetter, EpisodeRow, Finish, TrajectoryWrite, Tx
 
 log = get_logger(__name__)
 
@@ -97,6 +99,9 @@ def dead_letter_for(d: Delivery, reason: str) -> DeadLetter:
 _RECORDED = (EpisodeStarted, TurnGenerated, StepCompleted, EpisodeFinished, EpisodeFailed, EpisodeCancelled)
 
 
+TerminalEvent: TypeAlias = EpisodeFinished | EpisodeFailed | EpisodeCancelled
+
+
 async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome:
     """Write one batch inside ``tx``; return what to do with each message after the commit."""
     out = Outcome(actions=[Action.ACK] * len(batch))
@@ -104,8 +109,8 @@ async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome
     started: list[tuple[int, EpisodeStarted]] = []
     turns: dict[str, TurnGenerated] = {}
     steps: dict[str, StepCompleted] = {}
-    terminals: list[tuple[int, EpisodeFinished | EpisodeFailed | EpisodeCancelled]] = []
-    touched: set[str] = set()
+    terminals: list[tuple[int, TerminalEvent]] = []
+    changed: set[str] = set()  # episodes whose state this batch may change (started, terminal): always reconciled
 
     for i, d in enumerate(batch):
         ev = d.event
@@ -115,29 +120,31 @@ async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome
             out.dead_letters[d.error_class or "unexpected_type"] += 1
             out.actions[i] = Action.TERM
             continue
-        touched.add(ev.episode_id)
         if isinstance(ev, EpisodeStarted):
             started.append((i, ev))
+            changed.add(ev.episode_id)
         elif isinstance(ev, TurnGenerated):
             turns.setdefault(ev.event_id, ev)
         elif isinstance(ev, StepCompleted):
             steps.setdefault(ev.event_id, ev)
         else:
             terminals.append((i, ev))
+            changed.add(ev.episode_id)
 
     await tx.add_dead_letters(letters)
     started.sort(key=lambda p: (p[1].episode_id, batch[p[0]].stream_seq))
-    await tx.apply_started([
-        {"episode_id": e.episode_id, "attempt": e.attempt, "worker_id": e.worker_id, "time": e.time,
-         "prompt": e.prompt_token_ids.tolist(), "prompt_text": e.prompt_text} for _, e in started])
+    await tx.apply_started([e for _, e in started])
     await tx.insert_turns(list(turns.values()))
     await tx.insert_steps(list(steps.values()))
 
     terminals.sort(key=lambda p: (p[1].episode_id, batch[p[0]].stream_seq))
-    for i, ev in terminals:
-        out.actions[i] = await _terminal(tx, batch[i], ev, policy, out)
+    for round_ in _rounds(terminals):
+        await _terminals(tx, batch, round_, policy, out)
 
-    await tx.reconcile_superseded(sorted(touched))
+    # Rows of episodes whose state did not change here only need reconciling when they are not plainly current.
+    written = {(e.episode_id, e.attempt) for e in turns.values()} | {(e.episode_id, e.attempt) for e in steps.values()}
+    others = sorted(p for p in written if p[0] not in changed)
+    await tx.reconcile_superseded(sorted(changed | await tx.unsettled(others)))
 
     for i, d in enumerate(batch):
         if out.actions[i] is Action.ACK and d.event is not None:
@@ -148,34 +155,81 @@ async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome
     return out
 
 
-async def _fail_episode(tx: Tx, d: Delivery, ev: Any, reason: str, reason_class: str, out: Outcome) -> Action:
+def _rounds(terminals: list[tuple[int, TerminalEvent]]) -> list[list[tuple[int, TerminalEvent]]]:
+    """Split terminal events (sorted by episode, then stream order) into rounds holding each episode at most once.
+
+    Round k holds the k-th terminal event of every episode, so handling the rounds in order, each as one batch,
+    is the same as handling the events one by one in stream order (episodes are independent of each other).
+    """
+    rounds: list[list[tuple[int, TerminalEvent]]] = []
+    seen: Counter[str] = Counter()
+    for item in terminals:
+        k = seen[item[1].episode_id]
+        seen[item[1].episode_id] += 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(item)
+    return rounds
+
+
+@dataclass
+class _Writes:
+    """The writes decided for one round of terminal events, issued together."""
+
+    letters: list[DeadLetter] = field(default_factory=list)
+    trajectories: list[TrajectoryWrite] = field(default_factory=list)
+    finishes: list[Finish] = field(default_factory=list)
+
+
+async def _terminals(tx: Tx, batch: list[Delivery], round_: list[tuple[int, TerminalEvent]], policy: Policy,
+                     out: Outcome) -> None:
+    """Decide every terminal event of one round (distinct episodes), then write the decisions in bulk."""
+    eps = await tx.lock_episodes([ev.episode_id for _, ev in round_])
+    wanted = []
+    for _, ev in round_:
+        ep = eps.get(ev.episode_id)
+        if (ep is not None and ep.status not in TERMINAL and ev.attempt >= ep.attempt
+                and not isinstance(ev, EpisodeCancelled) and ep.attempt == ev.attempt
+                and ep.prompt_token_ids is not None):
+            wanted.append((ev.episode_id, ev.attempt, ev.num_turns))
+    records = await tx.attempt_records(wanted)
+    w = _Writes()
+    for i, ev in round_:
+        out.actions[i] = _terminal(batch[i], ev, eps.get(ev.episode_id), records.get(ev.episode_id), policy, out, w)
+    await tx.add_dead_letters(w.letters)
+    out.trajectories += await tx.upsert_trajectories(w.trajectories)
+    await tx.finish_episodes(w.finishes)
+
+
+def _fail_episode(d: Delivery, ev: TerminalEvent, reason: str, reason_class: str, out: Outcome,
+                  w: _Writes) -> Action:
     """Dead-letter a terminal event the recorder cannot turn into a trajectory; the episode fails (infra)."""
-    await tx.add_dead_letters([dead_letter_for(d, reason)])
+    w.letters.append(dead_letter_for(d, reason))
     out.dead_letters[reason_class] += 1
-    await tx.finish_episode(ev.episode_id, status=EpisodeStatus.FAILED, attempt=ev.attempt, time=ev.time,
-                            num_turns=ev.num_turns, failure_class=str(FailureClass.INFRA), failure_reason=reason)
+    w.finishes.append(Finish(ev.episode_id, EpisodeStatus.FAILED, ev.attempt, ev.time, num_turns=ev.num_turns,
+                             failure_class=str(FailureClass.INFRA), failure_reason=reason))
     log.error("recorder.episode_failed_by_recorder", episode_id=ev.episode_id, attempt=ev.attempt, reason=reason)
     return Action.ACK
 
 
-async def _incomplete(tx: Tx, d: Delivery, ev: EpisodeFinished | EpisodeFailed, missing: Incomplete,
-                      policy: Policy, out: Outcome) -> Action:
+def _incomplete(d: Delivery, ev: EpisodeFinished | EpisodeFailed, missing: Incomplete, policy: Policy,
+                out: Outcome, w: _Writes) -> Action:
     """Hand the terminal event back for later, or give up after ``assembly_max_deliveries`` deliveries."""
     if d.deliveries >= policy.assembly_max_deliveries:
         reason = (f"trajectory incomplete after {d.deliveries} deliveries of {ev.type}: {missing.reason} "
                   f"({missing.have} of {missing.need} turns)")
-        return await _fail_episode(tx, d, ev, reason, "incomplete", out)
+        return _fail_episode(d, ev, reason, "incomplete", out, w)
     out.naks += 1
     log.info("recorder.terminal_incomplete", episode_id=ev.episode_id, attempt=ev.attempt, reason=missing.reason,
              deliveries=d.deliveries)
     return Action.NAK
 
 
-async def _terminal(tx: Tx, d: Delivery, ev: EpisodeFinished | EpisodeFailed | EpisodeCancelled, policy: Policy,
-                    out: Outcome) -> Action:
-    ep = await tx.lock_episode(ev.episode_id)
+def _terminal(d: Delivery, ev: TerminalEvent, ep: EpisodeRow | None,
+              records: tuple[list[StepRecord], dict[str, TurnRecord]] | None, policy: Policy, out: Outcome,
+              w: _Writes) -> Action:
     if ep is None:
-        await tx.add_dead_letters([dead_letter_for(d, f"unknown episode {ev.episode_id}")])
+        w.letters.append(dead_letter_for(d, f"unknown episode {ev.episode_id}"))
         out.dead_letters["unknown_episode"] += 1
         return Action.TERM
     if ep.status in TERMINAL or ev.attempt < ep.attempt:
@@ -183,28 +237,27 @@ async def _terminal(tx: Tx, d: Delivery, ev: EpisodeFinished | EpisodeFailed | E
         return Action.ACK
 
     if isinstance(ev, EpisodeCancelled):
-        await tx.finish_episode(ev.episode_id, status=EpisodeStatus.CANCELLED, attempt=ev.attempt, time=ev.time,
-                                num_turns=ev.num_turns)
+        w.finishes.append(Finish(ev.episode_id, EpisodeStatus.CANCELLED, ev.attempt, ev.time, num_turns=ev.num_turns))
         return Action.ACK
 
     prompt = ep.prompt_token_ids if ep.attempt == ev.attempt else None
     if isinstance(ev, EpisodeFailed) and ev.num_turns == 0 and prompt is None:
-        await tx.finish_episode(ev.episode_id, status=EpisodeStatus.FAILED, attempt=ev.attempt, time=ev.time,
-                                num_turns=0, failure_class=str(ev.failure_class), failure_reason=ev.reason)
+        w.finishes.append(Finish(ev.episode_id, EpisodeStatus.FAILED, ev.attempt, ev.time, num_turns=0,
+                                 failure_class=str(ev.failure_class), failure_reason=ev.reason))
         return Action.ACK
 
-    if prompt is None:
-        return await _incomplete(tx, d, ev, Incomplete(f"episode.started of attempt {ev.attempt} not stored yet",
-                                                       0, ev.num_turns), policy, out)
-    steps, turns = await tx.attempt_records(ev.episode_id, ev.attempt, ev.num_turns)
+    if prompt is None or records is None:
+        return _incomplete(d, ev, Incomplete(f"episode.started of attempt {ev.attempt} not stored yet",
+                                             0, ev.num_turns), policy, out, w)
+    steps, turns = records
     paired = pair_records(ev.num_turns, steps, turns)
     if isinstance(paired, Incomplete):
-        return await _incomplete(tx, d, ev, paired, policy, out)
+        return _incomplete(d, ev, paired, policy, out, w)
 
     try:
         traj = assemble(prompt, paired)
     except SchemaError as exc:
-        return await _fail_episode(tx, d, ev, f"inconsistent records: {exc}", "inconsistent", out)
+        return _fail_episode(d, ev, f"inconsistent records: {exc}", "inconsistent", out, w)
     if traj.context_mismatches:
         log.warning("recorder.context_mismatch", episode_id=ev.episode_id, attempt=ev.attempt,
                     turns=list(traj.context_mismatches))
@@ -213,21 +266,15 @@ async def _terminal(tx: Tx, d: Delivery, ev: EpisodeFinished | EpisodeFailed | E
         if traj.num_tokens != ev.num_tokens:
             reason = (f"token count mismatch: the env worker reported {ev.num_tokens} tokens, the stored turns "
                       f"assemble to {traj.num_tokens}")
-            return await _fail_episode(tx, d, ev, reason, "token_mismatch", out)
-        status = EpisodeStatus(str(ev.status))
-        written = await _write(tx, ep, ev.attempt, str(ev.status), None, ev.reward, traj)
-        await tx.finish_episode(ev.episode_id, status=status, attempt=ev.attempt, time=ev.time, reward=ev.reward,
-                                num_turns=traj.num_turns, stop_reason=ev.stop_reason,
-                                weight_versions=traj.distinct_weight_versions)
+            return _fail_episode(d, ev, reason, "token_mismatch", out, w)
+        w.trajectories.append(TrajectoryWrite(ep, ev.attempt, str(ev.status), None, ev.reward, traj))
+        w.finishes.append(Finish(ev.episode_id, EpisodeStatus(str(ev.status)), ev.attempt, ev.time, reward=ev.reward,
+                                 num_turns=traj.num_turns, stop_reason=ev.stop_reason,
+                                 weight_versions=traj.distinct_weight_versions))
     else:
-        written = await _write(tx, ep, ev.attempt, str(EpisodeStatus.FAILED), str(ev.failure_class), None, traj)
-        await tx.finish_episode(ev.episode_id, status=EpisodeStatus.FAILED, attempt=ev.attempt, time=ev.time,
-                                num_turns=traj.num_turns, failure_class=str(ev.failure_class),
-                                failure_reason=ev.reason, weight_versions=traj.distinct_weight_versions)
-    out.trajectories += int(written)
+        w.trajectories.append(TrajectoryWrite(ep, ev.attempt, str(EpisodeStatus.FAILED), str(ev.failure_class),
+                                              None, traj))
+        w.finishes.append(Finish(ev.episode_id, EpisodeStatus.FAILED, ev.attempt, ev.time, num_turns=traj.num_turns,
+                                 failure_class=str(ev.failure_class), failure_reason=ev.reason,
+                                 weight_versions=traj.distinct_weight_versions))
     return Action.ACK
-
-
-async def _write(tx: Tx, ep: EpisodeRow, attempt: int, status: str, failure_class: str | None,
-                 reward: float | None, traj: Trajectory) -> bool:
-    return await tx.upsert_trajectory(ep, attempt, status, failure_class, reward, traj)

@@ -1,5 +1,9 @@
 """The recorder's SQL: one transaction per batch, bulk COPY of turns and steps, episode and trajectory writes.
 
+Rows and array parameters are encoded by ``pgbinary`` (numpy, no per-element Python work); turns and steps are
+COPY'd straight into their tables inside a savepoint and only a duplicate event id (a redelivery or replay)
+takes the staging table + ``ON CONFLICT DO NOTHING`` path.
+
 ``Store.transaction()`` opens a transaction on a pooled connection and hands out a ``Tx`` whose methods are the
 only SQL the recorder runs. Driver errors are translated into ``StoreError`` at this boundary: connection loss,
 server restarts, deadlocks and serialisation failures are ``retryable``; data and integrity errors are not.
@@ -8,7 +12,8 @@ server restarts, deadlocks and serialisation failures are ``retryable``; data an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Sequence
+import weakref
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -21,9 +26,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rollout_ledger.shared.db import check_schema
 from rollout_ledger.shared.errors import StoreError
-from rollout_ledger.shared.events import StepCompleted, TurnGenerated
+from rollout_ledger.shared.events import EpisodeStarted, StepCompleted, TurnGenerated
 from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus, allowed_sources
 
+from . import pgbinary
 from .assembly import StepRecord, Trajectory, TurnRecord
 
 TERMINAL_STATUSES = sorted(str(s) for s in TERMINAL)
@@ -76,6 +82,72 @@ class DeadLetter:
     headers: dict[str, str] | None
 
 
+@dataclass(frozen=True)
+class Finish:
+    """One terminal status write of ``Tx.finish_episodes`` (through the lifecycle table)."""
+
+    episode_id: str
+    status: EpisodeStatus
+    attempt: int
+    time: datetime
+    reward: float | None = None
+    num_turns: int | None = None
+    stop_reason: str | None = None
+    failure_class: str | None = None
+    failure_reason: str | None = None
+    weight_versions: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class TrajectoryWrite:
+    """One trajectory upsert of ``Tx.upsert_trajectories``."""
+
+    ep: EpisodeRow
+    attempt: int
+    status: str
+    failure_class: str | None
+    reward: float | None
+    traj: Trajectory
+
+
+_TRAJECTORY_COLS = ("episode_id", "batch_id", "group_id", "env", "attempt", "status", "failure_class", "reward",
+                    "token_ids", "loss_mask", "logprobs", "weight_versions", "action_ranges", "prompt_len",
+                    "num_tokens", "num_sampled_tokens", "num_turns")
+
+_UPSERT_TRAJECTORIES = (
+    f"INSERT INTO trajectories ({', '.join(_TRAJECTORY_COLS)}) "
+    f"SELECT {', '.join(_TRAJECTORY_COLS)} FROM rl_stage_trajectories "
+    "ON CONFLICT (episode_id) DO UPDATE SET attempt = excluded.attempt, status = excluded.status, "
+    "failure_class = excluded.failure_class, reward = excluded.reward, token_ids = excluded.token_ids, "
+    "loss_mask = excluded.loss_mask, logprobs = excluded.logprobs, "
+    "weight_versions = excluded.weight_versions, action_ranges = excluded.action_ranges, "
+    "prompt_len = excluded.prompt_len, num_tokens = excluded.num_tokens, "
+    "num_sampled_tokens = excluded.num_sampled_tokens, num_turns = excluded.num_turns, created_at = now() "
+    "WHERE trajectories.attempt < excluded.attempt"
+)
+
+_FINISH_EPISODES = (
+    "UPDATE episodes e SET status = f.status, attempt = GREATEST(e.attempt, f.attempt), reward = f.reward, "
+    "num_turns = f.num_turns, stop_reason = f.stop_reason, failure_class = f.failure_class, "
+    "failure_reason = f.failure_reason, weight_versions = f.weight_versions::int4[], finished_at = f.time, "
+    "updated_at = now() "
+    "FROM unnest(%s::text[], %s::text[], %s::int4[], %s::float8[], %s::int4[], %s::text[], %s::text[], "
+    "%s::text[], %s::text[], %s::timestamptz[], %s::text[]) AS f(id, status, attempt, reward, num_turns, "
+    "stop_reason, failure_class, failure_reason, weight_versions, time, sources) "
+    "WHERE e.id = f.id AND e.status = ANY(f.sources::text[]) AND e.attempt <= f.attempt"
+)
+
+
+def _int4_literal(values: Sequence[int] | None) -> str | None:
+    """``int4[]`` text literal of a short list (``None`` stays NULL)."""
+    return None if values is None else "{" + ",".join(str(int(v)) for v in values) + "}"
+
+
+def _text_literal(values: Sequence[str]) -> str:
+    """``text[]`` literal of simple words (lifecycle status names: no quoting needed)."""
+    return "{" + ",".join(values) + "}"
+
+
 class Tx:
     """SQL of one open transaction (a psycopg connection inside a SQLAlchemy transaction)."""
 
@@ -100,127 +172,161 @@ class Tx:
             row = await cur.fetchone()
         return bytes(row[0]) if row else None
 
-    async def apply_started(self, rows: Sequence[dict[str, Any]]) -> None:
-        """Episodes -> running for each started attempt not older than the episode's (rows in stream order)."""
-        if not rows:
+    async def apply_started(self, events: Sequence[EpisodeStarted]) -> None:
+        """Episodes -> running for each started attempt not older than the episode's (events in stream order)."""
+        if not events:
             return
         sources = allowed_sources(EpisodeStatus.RUNNING)
+        try:
+            params = [(e.attempt, e.worker_id, e.time, pgbinary.Int4Array(pgbinary.int4_array(e.prompt_token_ids)),
+                       e.prompt_text, e.episode_id, sources, e.attempt) for e in events]
+        except pgbinary.EncodeError as exc:
+            raise StoreError(f"cannot encode episode.started: {exc}", retryable=False) from exc
         async with self.pg.cursor() as cur:
             await cur.executemany(
-                "UPDATE episodes SET status = 'running', attempt = %(attempt)s, worker_id = %(worker_id)s, "
-                "started_at = %(time)s, prompt_token_ids = %(prompt)s::int4[], prompt_text = %(prompt_text)s, "
-                "updated_at = now() "
-                "WHERE id = %(episode_id)s AND status = ANY(%(sources)s) AND attempt <= %(attempt)s",
-                [dict(r, sources=sources) for r in rows],
+                "UPDATE episodes SET status = 'running', attempt = %s, worker_id = %s, "
+                "started_at = %s, prompt_token_ids = %b, prompt_text = %s, updated_at = now() "
+                "WHERE id = %s AND status = ANY(%s) AND attempt <= %s",
+                params,
             )
 
-    async def _copy_upsert(self, table: str, cols: Sequence[str], types: Sequence[str],
-                           rows: Iterable[Sequence[Any]]) -> None:
-        stage = f"rl_stage_{table}"
+    async def _copy_rows(self, table: str, cols: Sequence[str], payload: bytes) -> None:
+        """COPY straight into ``table`` inside a savepoint; on a duplicate event id, stage + ``ON CONFLICT``."""
         collist = ", ".join(cols)
         async with self.pg.cursor() as cur:
-            await cur.execute(
-                f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
-                f"SELECT {collist} FROM {table} WITH NO DATA"
-            )
-            async with cur.copy(f"COPY {stage} ({collist}) FROM STDIN (FORMAT BINARY)") as copy:
-                copy.set_types(list(types))
-                for row in rows:
-                    await copy.write_row(row)
-            await cur.execute(f"INSERT INTO {table} ({collist}) SELECT {collist} FROM {stage} "
-                              "ON CONFLICT (event_id) DO NOTHING")
-            await cur.execute(f"DELETE FROM {stage}")
+            await cur.execute("SAVEPOINT rl_copy")
+            try:
+                async with cur.copy(f"COPY {table} ({collist}) FROM STDIN (FORMAT BINARY)") as copy:
+                    await copy.write(payload)
+            except psycopg.errors.UniqueViolation:
+                # A redelivered or replayed event: write the new rows only (rare, so the slower path is fine).
+                await cur.execute("ROLLBACK TO SAVEPOINT rl_copy")
+                await self._copy_upsert(cur, table, collist, payload)
+            await cur.execute("RELEASE SAVEPOINT rl_copy")
+
+    @staticmethod
+    async def _copy_upsert(cur: psycopg.AsyncCursor[Any], table: str, collist: str, payload: bytes) -> None:
+        stage = f"rl_stage_{table}"
+        await cur.execute(
+            f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
+            f"SELECT {collist} FROM {table} WITH NO DATA"
+        )
+        async with cur.copy(f"COPY {stage} ({collist}) FROM STDIN (FORMAT BINARY)") as copy:
+            await copy.write(payload)
+        await cur.execute(f"INSERT INTO {table} ({collist}) SELECT {collist} FROM {stage} "
+                          "ON CONFLICT (event_id) DO NOTHING")
+        await cur.execute(f"DELETE FROM {stage}")
 
     async def insert_turns(self, events: Sequence[TurnGenerated]) -> None:
         if events:
-            await self._copy_upsert("turns", _TURN_COLS, _TURN_TYPES, (
-                (e.event_id, e.episode_id, e.attempt, e.turn_index, e.prompt_len, e.token_ids.tolist(),
-                 e.logprobs.tolist(), str(e.finish_reason), e.weight_version, e.engine, e.worker_id, e.queue_ms,
-                 e.generate_ms, e.cached_tokens, e.time) for e in events))
+            try:
+                payload = b"".join([pgbinary.COPY_HEADER, *map(pgbinary.turn_row, events), pgbinary.COPY_TRAILER])
+            except pgbinary.EncodeError as exc:
+                raise StoreError(f"cannot encode turn.generated: {exc}", retryable=False) from exc
+            await self._copy_rows("turns", _TURN_COLS, payload)
 
     async def insert_steps(self, events: Sequence[StepCompleted]) -> None:
         if events:
-            await self._copy_upsert("steps", _STEP_COLS, _STEP_TYPES, (
-                (e.event_id, e.episode_id, e.attempt, e.turn_index, e.turn_event_id, e.action, e.observation,
-                 e.observation_token_ids.tolist(), e.reward, e.terminated, e.truncated, Jsonb(e.info), e.step_ms,
-                 e.time) for e in events))
+            try:
+                payload = b"".join([pgbinary.COPY_HEADER, *map(pgbinary.step_row, events), pgbinary.COPY_TRAILER])
+            except pgbinary.EncodeError as exc:
+                raise StoreError(f"cannot encode step.completed: {exc}", retryable=False) from exc
+            await self._copy_rows("steps", _STEP_COLS, payload)
 
-    async def lock_episode(self, episode_id: str) -> EpisodeRow | None:
-        async with self.pg.cursor() as cur:
+    async def lock_episodes(self, episode_ids: Sequence[str]) -> dict[str, EpisodeRow]:
+        """The episode rows of these ids, locked FOR UPDATE (in id order, so concurrent recorders never deadlock)."""
+        if not episode_ids:
+            return {}
+        async with self.pg.cursor(binary=True) as cur:
             await cur.execute(
                 "SELECT id, batch_id, group_id, env, status, attempt, prompt_token_ids FROM episodes "
-                "WHERE id = %s FOR UPDATE", (episode_id,))
-            row = await cur.fetchone()
-        if row is None:
-            return None
-        prompt = None if row[6] is None else np.asarray(row[6], dtype="<i4")
-        return EpisodeRow(row[0], row[1], row[2], row[3], EpisodeStatus(row[4]), int(row[5]), prompt)
-
-    async def trajectory_attempt(self, episode_id: str) -> int | None:
-        async with self.pg.cursor() as cur:
-            await cur.execute("SELECT attempt FROM trajectories WHERE episode_id = %s", (episode_id,))
-            row = await cur.fetchone()
-        return None if row is None else int(row[0])
-
-    async def attempt_records(self, episode_id: str, attempt: int,
-                              num_turns: int) -> tuple[list[StepRecord], dict[str, TurnRecord]]:
-        """Steps of turns ``< num_turns`` of one attempt, and the turns they name."""
-        async with self.pg.cursor() as cur:
-            await cur.execute(
-                "SELECT s.event_id, s.turn_index, s.turn_event_id, s.observation_token_ids, s.reward, "
-                "t.event_id, t.turn_index, t.prompt_len, t.token_ids, t.logprobs, t.weight_version "
-                "FROM steps s LEFT JOIN turns t ON t.event_id = s.turn_event_id AND t.episode_id = s.episode_id "
-                "WHERE s.episode_id = %s AND s.attempt = %s AND s.turn_index < %s ORDER BY s.turn_index",
-                (episode_id, attempt, num_turns))
+                "WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (sorted(set(episode_ids)),))
             rows = await cur.fetchall()
-        steps: list[StepRecord] = []
-        turns: dict[str, TurnRecord] = {}
+        return {r[0]: EpisodeRow(r[0], r[1], r[2], r[3], EpisodeStatus(r[4]), int(r[5]), r[6]) for r in rows}
+
+    async def attempt_records(
+        self, wanted: Sequence[tuple[str, int, int]]
+    ) -> dict[str, tuple[list[StepRecord], dict[str, TurnRecord]]]:
+        """For each (episode, attempt, num_turns): steps of turns ``< num_turns`` of that attempt, and the turns
+        they name (one query for all; each episode at most once)."""
+        out: dict[str, tuple[list[StepRecord], dict[str, TurnRecord]]] = {eid: ([], {}) for eid, _, _ in wanted}
+        if not wanted:
+            return out
+        async with self.pg.cursor(binary=True) as cur:
+            await cur.execute(
+                "SELECT s.episode_id, s.event_id, s.turn_index, s.turn_event_id, s.observation_token_ids, s.reward, "
+                "t.event_id, t.turn_index, t.prompt_len, t.token_ids, t.logprobs, t.weight_version "
+                "FROM unnest(%s::text[], %s::int4[], %s::int4[]) AS q(eid, att, n) "
+                "JOIN steps s ON s.episode_id = q.eid AND s.attempt = q.att AND s.turn_index < q.n "
+                "LEFT JOIN turns t ON t.event_id = s.turn_event_id AND t.episode_id = s.episode_id "
+                "ORDER BY s.episode_id, s.turn_index",
+                ([w[0] for w in wanted], [w[1] for w in wanted], [w[2] for w in wanted]))
+            rows = await cur.fetchall()
         for r in rows:
-            steps.append(StepRecord(r[0], int(r[1]), r[2], np.asarray(r[3], dtype="<i4"), float(r[4])))
-            if r[5] is not None:
-                turns[r[5]] = TurnRecord(r[5], int(r[6]), int(r[7]), np.asarray(r[8], dtype="<i4"),
-                                         np.asarray(r[9], dtype="<f4"), int(r[10]))
-        return steps, turns
+            steps, turns = out[r[0]]
+            steps.append(StepRecord(r[1], int(r[2]), r[3], r[4], float(r[5])))
+            if r[6] is not None:
+                turns[r[6]] = TurnRecord(r[6], int(r[7]), int(r[8]), r[9], r[10], int(r[11]))
+        return out
 
-    async def upsert_trajectory(self, ep: EpisodeRow, attempt: int, status: str, failure_class: str | None,
-                                reward: float | None, traj: Trajectory) -> bool:
-        """Insert the trajectory; replace an existing one only from a higher attempt. True when written."""
+    async def upsert_trajectories(self, writes: Sequence[TrajectoryWrite]) -> int:
+        """Insert each trajectory; replace an existing one only from a higher attempt. Returns rows written.
+
+        One binary COPY into a session-local staging table, then one ``INSERT ... ON CONFLICT DO UPDATE``.
+        """
+        if not writes:
+            return 0
+        try:
+            payload = b"".join([pgbinary.COPY_HEADER, *(pgbinary.trajectory_row(
+                w.ep.id, w.ep.batch_id, w.ep.group_id, w.ep.env, w.attempt, w.status, w.failure_class, w.reward,
+                w.traj) for w in writes), pgbinary.COPY_TRAILER])
+        except pgbinary.EncodeError as exc:
+            raise StoreError(f"cannot encode a trajectory: {exc}", retryable=False) from exc
+        collist = ", ".join(_TRAJECTORY_COLS)
         async with self.pg.cursor() as cur:
             await cur.execute(
-                "INSERT INTO trajectories (episode_id, batch_id, group_id, env, attempt, status, failure_class, "
-                "reward, token_ids, loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, "
-                "num_sampled_tokens, num_turns) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s::int4[], %s::int2[], "
-                "%s::float4[], %s::int4[], %s::int4[], %s, %s, %s, %s) "
-                "ON CONFLICT (episode_id) DO UPDATE SET attempt = excluded.attempt, status = excluded.status, "
-                "failure_class = excluded.failure_class, reward = excluded.reward, token_ids = excluded.token_ids, "
-                "loss_mask = excluded.loss_mask, logprobs = excluded.logprobs, "
-                "weight_versions = excluded.weight_versions, action_ranges = excluded.action_ranges, "
-                "prompt_len = excluded.prompt_len, num_tokens = excluded.num_tokens, "
-                "num_sampled_tokens = excluded.num_sampled_tokens, num_turns = excluded.num_turns, created_at = now() "
-                "WHERE trajectories.attempt < excluded.attempt",
-                (ep.id, ep.batch_id, ep.group_id, ep.env, attempt, status, failure_class, reward,
-                 traj.token_ids.tolist(), traj.loss_mask.tolist(), traj.logprobs.tolist(),
-                 traj.weight_versions.tolist(), traj.action_ranges, traj.prompt_len, traj.num_tokens,
-                 traj.num_sampled_tokens, traj.num_turns))
-            return cur.rowcount > 0
+                "CREATE TEMP TABLE IF NOT EXISTS rl_stage_trajectories ON COMMIT DELETE ROWS AS "
+                f"SELECT {collist} FROM trajectories WITH NO DATA"
+            )
+            async with cur.copy(f"COPY rl_stage_trajectories ({collist}) FROM STDIN (FORMAT BINARY)") as copy:
+                await copy.write(payload)
+            await cur.execute(_UPSERT_TRAJECTORIES)
+            written = max(0, cur.rowcount)
+            await cur.execute("DELETE FROM rl_stage_trajectories")
+        return written
 
-    async def finish_episode(self, episode_id: str, *, status: EpisodeStatus, attempt: int, time: datetime,
-                             reward: float | None = None, num_turns: int | None = None, stop_reason: str | None = None,
-                             failure_class: str | None = None, failure_reason: str | None = None,
-                             weight_versions: list[int] | None = None) -> bool:
-        """Move the episode to a terminal status through the lifecycle table; True when the row changed."""
+    async def finish_episodes(self, finishes: Sequence[Finish]) -> None:
+        """Move episodes to a terminal status through the lifecycle table (a no-op where it is not allowed).
+
+        One ``UPDATE ... FROM unnest(...)``: the episodes must be distinct (one round of terminal events).
+        """
+        if not finishes:
+            return
+        async with self.pg.cursor() as cur:
+            await cur.execute(_FINISH_EPISODES, (
+                [f.episode_id for f in finishes], [str(f.status) for f in finishes], [f.attempt for f in finishes],
+                [f.reward for f in finishes], [f.num_turns for f in finishes], [f.stop_reason for f in finishes],
+                [f.failure_class for f in finishes], [f.failure_reason for f in finishes],
+                [_int4_literal(f.weight_versions) for f in finishes], [f.time for f in finishes],
+                [_text_literal(allowed_sources(f.status)) for f in finishes]))
+
+    async def unsettled(self, rows: Sequence[tuple[str, int]]) -> set[str]:
+        """Episodes among these (episode, attempt of a row just written) whose new rows may need ``superseded``.
+
+        A new turn or step row starts with ``superseded = false``, which is already right when its attempt is
+        the episode's current one, the episode is not terminal and has no trajectory: the common case, where
+        no reconciliation is needed.
+        """
+        if not rows:
+            return set()
         async with self.pg.cursor() as cur:
             await cur.execute(
-                "UPDATE episodes SET status = %(status)s, attempt = GREATEST(attempt, %(attempt)s), "
-                "reward = %(reward)s, num_turns = %(num_turns)s, stop_reason = %(stop_reason)s, "
-                "failure_class = %(failure_class)s, failure_reason = %(failure_reason)s, "
-                "weight_versions = %(weight_versions)s::int4[], finished_at = %(time)s, updated_at = now() "
-                "WHERE id = %(id)s AND status = ANY(%(sources)s) AND attempt <= %(attempt)s",
-                {"status": str(status), "attempt": attempt, "reward": reward, "num_turns": num_turns,
-                 "stop_reason": stop_reason, "failure_class": failure_class, "failure_reason": failure_reason,
-                 "weight_versions": weight_versions, "time": time, "id": episode_id,
-                 "sources": allowed_sources(status)})
-            return cur.rowcount > 0
+                "SELECT DISTINCT q.eid FROM unnest(%s::text[], %s::int4[]) AS q(eid, att) "
+                "JOIN episodes e ON e.id = q.eid "
+                "WHERE q.att <> e.attempt OR e.status = ANY(%s) "
+                "OR EXISTS (SELECT 1 FROM trajectories tr WHERE tr.episode_id = q.eid)",
+                ([r[0] for r in rows], [r[1] for r in rows], TERMINAL_STATUSES))
+            return {r[0] for r in await cur.fetchall()}
 
     async def reconcile_superseded(self, episode_ids: Sequence[str]) -> None:
         """Set ``superseded`` on every turn and step of these episodes from the current state.
@@ -263,6 +369,7 @@ class Store:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self._adapted: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
 
     async def check(self) -> None:
         """Raise ``StoreError`` when unreachable, ``SchemaVersionError`` when not at the code's revision."""
@@ -277,6 +384,9 @@ class Store:
                 pg = raw.driver_connection
                 if pg is None:
                     raise StoreError("no driver connection", retryable=True)
+                if pg not in self._adapted:
+                    pgbinary.register(pg)
+                    self._adapted.add(pg)
                 yield Tx(pg)
         except StoreError:
             raise

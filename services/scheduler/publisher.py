@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from nats.js import api as js_api
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rollout_ledger.services.scheduler import store
@@ -43,7 +44,7 @@ async def publish_work_items(
     """Publish work items with ``publish_async`` and wait for their acks together (at most ``timeout_s``)."""
     if not items:
         return PublishResult([], 0)
-    futures: list[tuple[str, asyncio.Future[object]]] = []
+    futures: list[tuple[str, asyncio.Future[js_api.PubAck]]] = []
     error: str | None = None
     for ev in items:
         try:
@@ -56,8 +57,8 @@ async def publish_work_items(
         futures.append((ev.episode_id, fut))
     if futures:
         _, pending = await asyncio.wait([f for _, f in futures], timeout=timeout_s)
-        for fut in pending:
-            fut.cancel()  # releases nats-py's pending-publish slot
+        for waiting in pending:
+            waiting.cancel()  # releases nats-py's pending-publish slot
         if pending and error is None:
             error = f"{len(pending)} publishes not acked within {timeout_s}s"
     acked: list[str] = []

@@ -6,6 +6,8 @@ worker, recorder and scheduler are real processes.
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import numpy as np
 import pytest
@@ -61,6 +63,6 @@ def test_real_model_episodes_are_token_exact(stack: Stack, database_url: str, mo
                 assert text.count("<|im_start|>assistant\n") == tr["num_turns"]
                 if env == "guess-number" and tr["num_turns"] > 1:
                     ranges = tr["action_ranges"]
-                    assert all(e1 < s2 for (_, e1), (s2, _) in zip(ranges, ranges[1:], strict=False))
+                    assert all(e1 < s2 for (_, e1), (s2, _) in itertools.pairwise(ranges))
     finally:
         sql.close()

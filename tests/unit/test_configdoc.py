@@ -1,0 +1,20 @@
+"""docs/configuration.md is generated from the settings classes and must match them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollout_ledger.services.configdoc import SETTINGS, _load, render
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def test_configuration_doc_is_current() -> None:
+    assert DOC.read_text() == render(), "python -m rollout_ledger.services.configdoc > docs/configuration.md"
+
+
+def test_every_setting_is_documented() -> None:
+    for path in SETTINGS.values():
+        cls = _load(path)
+        undocumented = [name for name, info in cls.model_fields.items() if not (info.description or "").strip()]
+        assert undocumented == [], f"{cls.__name__}: add a docstring under {undocumented}"
