@@ -4,7 +4,8 @@ Events, ids and ``seq`` follow the common contract: started ``{ep}:a{n}:started`
 as ``{ep}:a{n}:t{t}:r{try}`` (seq 2t+1, published by the inference worker); its step ``{ep}:a{n}:s{t}``
 (seq 2t+2); the terminal event ``{ep}:a{n}:end`` (seq 2T+1, T = turns generated in this attempt).
 
-Steps are published without awaiting each ack; every pending ack is awaited before the terminal event, and
+Steps are published without awaiting each ack (through the worker's ``StreamPublisher``, whose per-message
+cost is a fraction of ``js.publish_async``'s); every pending ack is awaited before the terminal event, and
 the terminal event's ack before the caller acks the work item. A failure of the bus is not an episode
 outcome: ``BusError`` propagates and the caller hands the work item back (a later attempt redoes it).
 """
@@ -42,6 +43,7 @@ from rollout_ledger.shared.events import (
     encode,
 )
 from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.publisher import StreamPublisher
 from rollout_ledger.shared.subjects import event_subject
 
 log = get_logger(__name__)
@@ -63,6 +65,8 @@ class DriverDeps:
     worker_id: str
     max_model_len: int = 2048
     publish_timeout_s: float = 10.0
+    publisher: StreamPublisher | None = None
+    """Publishes the episode's events (its ack timeout is ``publish_timeout_s``); None: ``js`` publishes them."""
 
     @property
     def produced_by(self) -> str:
@@ -194,13 +198,25 @@ class EpisodeDriver:
         event = EpisodeStarted(**self._common(f"{self.ep}:a{self.attempt}:started", 0), env=self.item.env,
                                worker_id=self.deps.worker_id, prompt_token_ids=transcript.prompt_ids,
                                prompt_text=transcript.prompt_text, messages=_jsonable_list(messages))
-        await publish_event(self.deps.js, event, timeout=self.deps.publish_timeout_s)
+        await self._publish(event)
+
+    async def _publish(self, event: EpisodeStarted | EpisodeFinished | EpisodeFailed | EpisodeCancelled) -> None:
+        """Publish and await the stream's ack (``BusError`` otherwise)."""
+        if self.deps.publisher is not None:
+            await self.deps.publisher.publish(event.type, event.event_id, encode(event))
+        else:
+            await publish_event(self.deps.js, event, timeout=self.deps.publish_timeout_s)
 
     async def _publish_async(self, event: StepCompleted) -> None:
-        try:
-            fut = await self.deps.js.publish_async(_STEP_SUBJECT, encode(event), headers=msg_id_headers(event.event_id))
-        except Exception as exc:
-            raise BusError(f"publish of step.completed failed: {exc}") from exc
+        fut: asyncio.Future[Any]
+        if self.deps.publisher is not None:
+            fut = await self.deps.publisher.publish_nowait(event.type, event.event_id, encode(event), _STEP_SUBJECT)
+        else:
+            try:
+                fut = await self.deps.js.publish_async(_STEP_SUBJECT, encode(event),
+                                                       headers=msg_id_headers(event.event_id))
+            except Exception as exc:
+                raise BusError(f"publish of step.completed failed: {exc}") from exc
         self._pending_acks.append(fut)
 
     async def _flush(self) -> None:
@@ -218,7 +234,7 @@ class EpisodeDriver:
 
     async def _terminal(self, event: EpisodeFinished | EpisodeFailed | EpisodeCancelled, status: str) -> Outcome:
         await self._flush()
-        await publish_event(self.deps.js, event, timeout=self.deps.publish_timeout_s)
+        await self._publish(event)
         log.info("episode.end", status=status, turns=self.turns, reward=self.reward)
         return Outcome(status, self.turns)
 

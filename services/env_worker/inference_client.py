@@ -8,7 +8,9 @@ second; a worker silent for ``heartbeat_timeout_s`` is dead, and requests waitin
 instead of waiting for ``request_timeout_s``.
 
 Replies come back through one wildcard inbox subscription (like nats-py's ``request``) so a try can be failed
-from outside (the heartbeat reaper) without extra tasks per request.
+from outside (the heartbeat reaper) without extra tasks per request. Every try has the same timeout, so the
+waiting tries are in deadline order and the reaper also fails the overdue ones from the front: no timer or
+timeout context per request (at thousands of turns per second those cost more than the routing itself).
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class InferenceClient:
         self.workers: dict[str, WorkerState] = {}
         self._on_retry = on_retry or (lambda: None)
         self._on_latency = on_latency or (lambda _s: None)
-        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        self._waiting: dict[str, tuple[asyncio.Future[Msg], float, str]] = {}
+        """token -> (reply future, deadline, subject); insertion order is deadline order (one timeout for all)."""
         self._waiting_any: set[asyncio.Future[Msg]] = set()
         """Tries sent to ``INFER_ANY``: whoever took them is unknown, so any worker's death fails them over."""
         self._first_heartbeat = asyncio.Event()
@@ -123,7 +126,7 @@ class InferenceClient:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs.clear()
-        for fut in self._waiting.values():
+        for fut, _, _ in self._waiting.values():
             if not fut.done():
                 fut.set_exception(TryFailed("inference client stopped"))
 
@@ -168,11 +171,24 @@ class InferenceClient:
                     fut.set_exception(TryFailed(f"inference worker {state.worker_id} stopped sending heartbeats"))
         return [s.worker_id for s in dead]
 
+    def expire(self) -> int:
+        """Fail the tries whose reply is overdue (``request_timeout_s``); returns how many."""
+        now = asyncio.get_running_loop().time()
+        expired = 0
+        for fut, deadline, subject in self._waiting.values():
+            if deadline > now:
+                break
+            if not fut.done():
+                fut.set_exception(TryFailed(f"no reply from {subject} within {self.config.request_timeout_s}s"))
+                expired += 1
+        return expired
+
     async def _reap_forever(self) -> None:
-        interval = max(0.05, self.config.heartbeat_timeout_s / 4)
+        interval = min(max(0.05, self.config.heartbeat_timeout_s / 4), max(0.01, self.config.request_timeout_s / 10))
         while True:
             await asyncio.sleep(interval)
             self.reap()
+            self.expire()
 
     def choose(self, prefer: str | None = None, exclude: frozenset[str] | set[str] = frozenset()) -> WorkerState | None:
         """The sticky worker when it is live, not draining and has room; else the least loaded; else None."""
@@ -192,21 +208,22 @@ class InferenceClient:
 
     # --- requests ---------------------------------------------------------------------------------
     async def _on_reply(self, msg: Msg) -> None:
-        fut = self._waiting.get(msg.subject[len(self._inbox_prefix):])
-        if fut is None or fut.done():
+        entry = self._waiting.get(msg.subject[len(self._inbox_prefix):])
+        if entry is None or entry[0].done():
             return
+        fut = entry[0]
         if msg.headers and msg.headers.get(_STATUS_HEADER) == _NO_RESPONDERS and not msg.data:
             fut.set_exception(TryFailed("no responders"))
         else:
             fut.set_result(msg)
 
     async def request_once(self, subject: str, payload: bytes, worker: WorkerState | None) -> Msg:
-        """One try: publish the request and wait for its reply, the worker's loss, or the timeout."""
+        """One try: publish the request and wait for its reply, the worker's loss, or the timeout (``expire``)."""
         loop = asyncio.get_running_loop()
         self._counter += 1
         token = str(self._counter)
         fut: asyncio.Future[Msg] = loop.create_future()
-        self._waiting[token] = fut
+        self._waiting[token] = (fut, loop.time() + self.config.request_timeout_s, subject)
         if worker is not None:
             worker.waiting.add(fut)
             worker.local_inflight += 1
@@ -214,11 +231,7 @@ class InferenceClient:
             self._waiting_any.add(fut)
         try:
             await self.nc.publish(subject, payload, reply=self._inbox_prefix + token)
-            try:
-                async with asyncio.timeout(self.config.request_timeout_s):
-                    return await fut
-            except TimeoutError:
-                raise TryFailed(f"no reply from {subject} within {self.config.request_timeout_s}s") from None
+            return await fut
         finally:
             del self._waiting[token]
             if worker is not None:

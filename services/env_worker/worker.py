@@ -22,6 +22,7 @@ from rollout_ledger.shared import bus
 from rollout_ledger.shared.errors import BusError, SchemaError
 from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
 from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.publisher import StreamPublisher
 from rollout_ledger.shared.runtime import Health, Shutdown, sleep_or_shutdown
 from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_CONSUMER, WORK_STREAM, WORK_SUBJECT
 
@@ -63,6 +64,7 @@ class EnvWorker:
             on_retry=metrics.inference_retries.inc,
             on_latency=metrics.turn_latency.observe,
         )
+        self.publisher = StreamPublisher(nc, settings.publish_timeout_s)
         metrics.cancelled_batches.set_function(lambda: len(self.cancels.cancelled))
         self.tasks: set[asyncio.Task[None]] = set()
         self._slot_free = asyncio.Event()
@@ -71,7 +73,7 @@ class EnvWorker:
         return DriverDeps(js=self.js, client=self.client, envs=self.envs, template=self.template,
                           is_cancelled=self.cancels.is_cancelled, metrics=self.metrics,
                           worker_id=self.settings.worker_id, max_model_len=self.settings.max_model_len,
-                          publish_timeout_s=self.settings.publish_timeout_s)
+                          publish_timeout_s=self.settings.publish_timeout_s, publisher=self.publisher)
 
     async def run(self, shutdown: Shutdown) -> None:
         """Set up, take work until ``shutdown``, then drain."""
@@ -80,6 +82,7 @@ class EnvWorker:
         await bus.ensure_consumer(self.js, bus.work_consumer_spec(s.ack_wait_s, s.max_deliver, s.max_ack_pending))
         await register_envs(self.js, self.envs, s.worker_id)
         await self.cancels.start(self.js)
+        await self.publisher.start()
         await self.client.start()
         if not await self.client.wait_for_workers(s.inference_discovery_s):
             log.warning("env_worker.no_inference_workers", waited_s=s.inference_discovery_s)
@@ -96,6 +99,7 @@ class EnvWorker:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
             await self.client.stop()
+            await self.publisher.stop()
             await self.cancels.stop()
 
     async def _consume(self, psub: JetStreamContext.PullSubscription, deps: DriverDeps, shutdown: Shutdown) -> None:

@@ -3,18 +3,20 @@
 It is a fake, for unit tests and benchmarks of everything around the engine; it is never the only test of a
 feature that depends on a model (those run against the real engine in tests/e2e).
 
-How it answers (all deterministic: the same prompt ids and sampling parameters give the same turn):
+How it answers (all deterministic: the same prompt ids, sampling parameters and session give the same turn):
 
 - It decodes at most the last ``TAIL_TOKENS`` prompt ids, so its cost does not grow with the context, and
   reads the last user message of the ChatML text (the whole tail when no role markers are visible).
 - An arithmetic question ("What is 12 + 7?", also ``-``, ``*``, ``×``) gets "The answer is N.", correct for a
-  deterministic ~60% of prompts (a hash of the prompt tail and the seed) and off by one otherwise.
+  deterministic ~60% of prompts (a hash of the prompt tail and the seed) and off by one otherwise. With
+  ``sampling.seed`` None the session key (the episode id) is part of the hash, as vLLM samples a seedless
+  request at random: the members of a GRPO group get different answers, each episode its own reproducible one.
 - A number-guessing prompt ("guess a number between 1 and 100", feedback such as "higher" / "too low") gets
   "My guess is N." with N in the range, narrowed by the feedback visible in the tail.
 - Anything else gets one sentence from a small list.
 - The text is encoded with the real tokenizer; it is cut at ``max_tokens`` (finish ``length``), otherwise the
   eos id is appended (finish ``stop``). A stop string in ``sampling.stop`` cuts the text before it (``stop``).
-- Logprobs are a hash of id, position and prompt, in [-3, -0.001].
+- Logprobs are a hash of id, position and prompt, in [-3, -0.001] (looked up in a 2,999-entry table).
 - ``cached_tokens`` models a prefix cache per session key (the worker passes the episode id): the longest
   common prefix of this prompt with the previous request's prompt + output of the same session, in whole
   ``block_size`` blocks and never the last prompt token (as vLLM counts it). Without a session key it is None.
@@ -56,7 +58,9 @@ SENTENCES = (
 )
 """What the fake says when it recognises no question."""
 
-_TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|\Z)", re.DOTALL)
+_IM_START = "<|im_start|>"
+_IM_END = "<|im_end|>"
+_ROLE = re.compile(r"(\w+)\n")
 _ARITH = re.compile(r"(-?\d+)\s*([-+*×])\s*(-?\d+)")
 _ASKS = re.compile(r"\bwhat\s+is\b|\bcompute\b|\bcalculate\b|\?", re.IGNORECASE)
 _RANGE = re.compile(
@@ -112,20 +116,36 @@ class TailDecoder:
         return cls(table)
 
     def decode(self, ids: list[int]) -> str:
-        table = self.table
-        return b"".join([table[i] for i in ids]).decode("utf-8", errors="replace")
+        return b"".join(map(self.table.__getitem__, ids)).decode("utf-8", errors="replace")
 
 
-def prompt_hash(tail_ids: np.ndarray, prompt_len: int, sampling: SamplingParams) -> int:
-    """64-bit hash of the prompt tail, its length and the parameters that change what is sampled."""
+def prompt_hash(tail_ids: np.ndarray, prompt_len: int, sampling: SamplingParams,
+                session_key: str | None = None) -> int:
+    """64-bit hash of the prompt tail, its length and the parameters that change what is sampled.
+
+    With ``sampling.seed`` None, ``session_key`` (when given) is mixed in: a seedless request samples at
+    random in a real engine, so two sessions with the same prompt should not get the same turn.
+    """
     h = hashlib.blake2b(np.ascontiguousarray(tail_ids, dtype="<i4").tobytes(), digest_size=8)
     h.update(struct.pack("<qqdd", prompt_len, sampling.seed or 0, sampling.temperature, sampling.top_p))
+    if sampling.seed is None and session_key is not None:
+        h.update(session_key.encode())
     return int.from_bytes(h.digest(), "little")
 
 
 def _messages(text: str) -> list[tuple[str, str]]:
-    """(role, content) of the ChatML turns visible in ``text``; the whole text as one user turn otherwise."""
-    turns = [(m.group(1), m.group(2).strip()) for m in _TURN.finditer(text)]
+    """(role, content) of the ChatML turns visible in ``text``; the whole text as one user turn otherwise.
+
+    A turn is ``<|im_start|>ROLE\n`` and its content up to ``<|im_end|>``, the next ``<|im_start|>`` or the
+    end (split on the markers: several times cheaper than one lazy regex over the tail).
+    """
+    turns = []
+    for piece in text.split(_IM_START)[1:]:
+        m = _ROLE.match(piece)
+        if m is None:
+            continue
+        end = piece.find(_IM_END, m.end())
+        turns.append((m.group(1), (piece[m.end():] if end < 0 else piece[m.end():end]).strip()))
     return turns or [("user", text.strip())]
 
 
@@ -172,6 +192,13 @@ def _guess(turns: list[tuple[str, str]], h: int) -> str | None:
     return f"My guess is {lo + h % (hi - lo + 1)}."
 
 
+def _in_range(ids: np.ndarray, n: int) -> bool:
+    """0 <= every id < n (for int32 with one reduction: as unsigned, a negative id is huge)."""
+    if ids.dtype == np.int32:
+        return int(ids.view(np.uint32).max()) < n
+    return int(ids.min()) >= 0 and int(ids.max()) < n
+
+
 def respond(text: str, h: int) -> str:
     """The fake's answer to the conversation tail ``text``, chosen by the hash ``h``."""
     turns = _messages(text)
@@ -184,11 +211,25 @@ def respond(text: str, h: int) -> str:
     return answer
 
 
+@lru_cache(maxsize=1)
+def _logprob_table() -> np.ndarray:
+    """The logprob of each of the 2,999 hash buckets (float32 arithmetic, as the hash is defined)."""
+    buckets = np.arange(2999, dtype=np.uint64)
+    table = (-0.001 - buckets.astype(np.float32) / np.float32(1000.0)).astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
 def fake_logprobs(token_ids: np.ndarray, h: int) -> np.ndarray:
-    """Deterministic logprobs in [-3, -0.001] from id, position and the prompt hash."""
-    pos = np.arange(token_ids.shape[0], dtype=np.uint64)
-    mixed = token_ids.astype(np.uint64) * np.uint64(2654435761) + pos * np.uint64(40503) + np.uint64(h % 1_000_003)
-    return (-0.001 - (mixed % np.uint64(2999)).astype(np.float32) / np.float32(1000.0)).astype(np.float32)
+    """Deterministic logprobs in [-3, -0.001] from id, position and the prompt hash.
+
+    Bucket ``(id * 2654435761 + pos * 40503 + h % 1000003) mod 2**64 mod 2999`` (unsigned 64-bit arithmetic,
+    a negative id wraps), mapped through ``_logprob_table``; turns are short, so Python ints beat numpy here.
+    """
+    hm = h % 1_000_003
+    buckets = [(((tid & _MASK64) * 2654435761 + pos * 40503 + hm) & _MASK64) % 2999
+               for pos, tid in enumerate(token_ids.tolist())]
+    return _logprob_table()[np.asarray(buckets, dtype=np.intp)]
 
 
 class FakeEngine:
@@ -213,7 +254,7 @@ class FakeEngine:
         self.max_sessions = max_sessions
         self._tokenizer = tokenizer
         self._sessions: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._encoded: dict[str, np.ndarray] = {}
+        self._encoded: dict[tuple[str, bool], np.ndarray] = {}
         self._aborts: dict[str, asyncio.Event] = {}
         self.eos_id: int | None = None
         self._tail_decoder: TailDecoder | None = None
@@ -251,7 +292,7 @@ class FakeEngine:
         *,
         session_key: str | None = None,
     ) -> Generation:
-        ids, finish, h = self._sample(prompt_token_ids, sampling, max_tokens)
+        ids, finish, h = self._sample(prompt_token_ids, sampling, max_tokens, session_key)
         wait_s = self.delay_s + (ids.shape[0] / self.tokens_per_s if self.tokens_per_s > 0 else 0.0)
         if wait_s > 0 and await self._wait(request_id, wait_s):
             empty = np.zeros(0, dtype=np.int32)
@@ -262,11 +303,11 @@ class FakeEngine:
         return Generation(ids, logprobs, finish, top, cached)
 
     def _sample(
-        self, prompt: np.ndarray, sampling: SamplingParams, max_tokens: int
+        self, prompt: np.ndarray, sampling: SamplingParams, max_tokens: int, session_key: str | None = None
     ) -> tuple[np.ndarray, FinishReason, int]:
         """The turn's ids, finish reason and the prompt hash (pure CPU work, no waiting)."""
         tail = prompt[-TAIL_TOKENS:]
-        h = prompt_hash(tail, int(prompt.shape[0]), sampling)
+        h = prompt_hash(tail, int(prompt.shape[0]), sampling, session_key)
         text = respond(self._decode_tail(tail), h)
         finish = FinishReason.STOP
         add_eos = True
@@ -274,9 +315,7 @@ class FakeEngine:
             cut = text.find(stop) if stop else -1
             if cut >= 0:
                 text, add_eos = text[:cut], False
-        ids = self._encode(text)
-        if add_eos and self.eos_id is not None:
-            ids = np.append(ids, np.int32(self.eos_id)).astype(np.int32)
+        ids = self._encode(text, add_eos and self.eos_id is not None)
         if ids.shape[0] > max_tokens:
             ids, finish = ids[:max_tokens], FinishReason.LENGTH
         return ids, finish, h
@@ -284,18 +323,22 @@ class FakeEngine:
     def _decode_tail(self, tail: np.ndarray) -> str:
         ids = tail.tolist()
         fast = self._tail_decoder
-        if fast is not None and ids and int(tail.min()) >= 0 and int(tail.max()) < len(fast.table):
+        if fast is not None and ids and _in_range(tail, len(fast.table)):
             return fast.decode(ids)
         return str(self.tokenizer.tokenizer.decode(ids, skip_special_tokens=False))
 
-    def _encode(self, text: str) -> np.ndarray:
-        ids = self._encoded.get(text)
+    def _encode(self, text: str, add_eos: bool) -> np.ndarray:
+        """Ids of one of the fake's answers (a small set of texts, so they are kept), with the eos id or not."""
+        key = (text, add_eos)
+        ids = self._encoded.get(key)
         if ids is None:
             if len(self._encoded) >= 4096:
                 self._encoded.clear()
             ids = self.tokenizer.encode(text)
+            if add_eos and self.eos_id is not None:
+                ids = np.append(ids, np.int32(self.eos_id)).astype(np.int32)
             ids.setflags(write=False)
-            self._encoded[text] = ids
+            self._encoded[key] = ids
         return ids
 
     async def _wait(self, request_id: str, seconds: float) -> bool:

@@ -136,7 +136,8 @@ async def test_request_reply_is_stored_with_msg_id(nc: bus.NATS, nats_url: str, 
     expected_engine = FakeEngine(model_dir)
     await expected_engine.start()
     request = request_for(model_dir)
-    expected = await expected_engine.generate("x", request.prompt_token_ids, request.sampling, request.max_tokens)
+    expected = await expected_engine.generate("x", request.prompt_token_ids, request.sampling, request.max_tokens,
+                                              session_key=request.episode_id)  # the worker's session key
     async with worker(settings, heartbeats):
         reply = await ask(nc, infer_worker_subject(settings.worker_id), request)
     turn = turn_of(reply)
