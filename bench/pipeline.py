@@ -58,6 +58,14 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
 
+    def deciles(self) -> dict[str, list[float]]:
+        """RSS at 10%, 20%, ... 100% of the run, per process."""
+        out = {}
+        for name, s in self.series.items():
+            end_t = s[-1][0]
+            out[name] = [round(next(v for t, v in s if t >= end_t * k / 10), 1) for k in range(1, 11)]
+        return out
+
     def peak(self) -> dict[str, float]:
         return {name: round(max(v for _, v in s), 1) for name, s in self.series.items()}
 
@@ -148,6 +156,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=500, help="episodes in flight per env worker")
     parser.add_argument("--soak-turns", type=int, default=100_000)
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--soak-only", action="store_true")
     args = parser.parse_args()
     total = 2000 if args.quick else 6000
     shapes = [1, 4, 16] if args.quick else [1, 4, 16, 64]
@@ -159,14 +168,14 @@ def main() -> None:
         assert stack.stack is not None
         pids = {p.name: p.proc.pid for p in stack.stack.procs if p.proc is not None}
         run_pipeline(stack, 200, 2)  # warm-up
-        for t in shapes:
+        for t in [] if args.soak_only else shapes:
             print(json.dumps({"run": "pipeline", **run_pipeline(stack, max(1, total // t), t)}), flush=True)
         soak_turns = 20_000 if args.quick else args.soak_turns
         sampler = RssSampler(pids).start()
         soak = run_pipeline(stack, soak_turns // 50, 50)
         sampler.stop()
         print(json.dumps({"run": "soak", **soak, "in_flight": args.concurrency, "rss_peak_mb": sampler.peak(),
-                          "rss_growth_pct": sampler.growth()}), flush=True)
+                          "rss_growth_pct": sampler.growth(), "rss_deciles_mb": sampler.deciles()}), flush=True)
     if not args.skip_baseline:
         from bench.baseline_openrlhf import run as baseline
         from rollout_ledger.shared.settings import default_model_dir
