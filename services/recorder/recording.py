@@ -139,7 +139,10 @@ async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome
 
     terminals.sort(key=lambda p: (p[1].episode_id, batch[p[0]].stream_seq))
     for round_ in _rounds(terminals):
-        await _terminals(tx, batch, round_, policy, out)
+        # Episodes of a round are distinct, so chunking keeps the semantics and bounds memory: the records of at
+        # most ASSEMBLY_CHUNK episodes are loaded at once, however bursty the terminal events are.
+        for start in range(0, len(round_), ASSEMBLY_CHUNK):
+            await _terminals(tx, batch, round_[start:start + ASSEMBLY_CHUNK], policy, out)
 
     # Rows of episodes whose state did not change here only need reconciling when they are not plainly current.
     written = {(e.episode_id, e.attempt) for e in turns.values()} | {(e.episode_id, e.attempt) for e in steps.values()}
@@ -153,6 +156,10 @@ async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome
             if out.newest_event_time is None or t > out.newest_event_time:
                 out.newest_event_time = t
     return out
+
+
+ASSEMBLY_CHUNK = 64
+"""Episodes assembled per bulk read (their turns and steps are in memory together)."""
 
 
 def _rounds(terminals: list[tuple[int, TerminalEvent]]) -> list[list[tuple[int, TerminalEvent]]]:

@@ -151,7 +151,7 @@ class SharedEngine:
         await self.engine.abort(request_id)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_host(model_dir: str) -> Iterator[EngineHost]:
     """The session's started vLLM engine on its own loop (model weights converted on first use)."""
     require_vllm()
@@ -166,7 +166,7 @@ def vllm_host(model_dir: str) -> Iterator[EngineHost]:
         host.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_engine(vllm_host: EngineHost) -> Engine:
     """The session engine as an ``Engine`` callable from any test's loop."""
     return HostedEngine(vllm_host)
@@ -185,7 +185,7 @@ class InProcessWorker:
         return self.settings.worker_id
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_worker(vllm_host: EngineHost, servers: Any, model_dir: str) -> Iterator[InProcessWorker]:
     """An inference worker on the session NATS server, serving the session engine (drained at session end)."""
     from rollout_ledger.services.inference_worker.main import run
@@ -216,7 +216,7 @@ def vllm_worker(vllm_host: EngineHost, servers: Any, model_dir: str) -> Iterator
         served.result(60)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_worker_process(servers: Any, model_dir: str, tmp_path_factory: pytest.TempPathFactory
                         ) -> Iterator[ServiceProcess]:
     """A real ``rollout serve inference-worker`` process with the vLLM engine, on the session NATS server."""
