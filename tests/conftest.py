@@ -21,6 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 import pytest_asyncio
+from nats.js.errors import ServerError
 
 from rollout_ledger.services.localinfra import LocalInfra
 from rollout_ledger.services.supervisor import Stack
@@ -111,7 +112,16 @@ async def _reset_bus(url: str) -> None:
         for bucket in (ENVS_BUCKET, CANCEL_BUCKET):
             with contextlib.suppress(Exception):
                 await js.delete_key_value(bucket)
-        await bus.ensure_topology(js)
+        # The server removes a deleted stream's files asynchronously; creating the same name at once can fail
+        # with "error creating store for stream" (err_code 10049) until it has. Retry that one error briefly.
+        for attempt in range(50):
+            try:
+                await bus.ensure_topology(js)
+                break
+            except ServerError as exc:
+                if exc.err_code != 10049 or attempt == 49:
+                    raise
+                await asyncio.sleep(0.1)
     finally:
         await nc.close()
 
