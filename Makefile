@@ -43,6 +43,7 @@ lint: install  ## ruff + mypy
 
 bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, with the command)
 	$(BIN)/python -m bench.wire_encoding
+	$(BIN)/python -m bench.tokenization_cost
 	$(BIN)/python -m bench.pipeline
 
 clean:
