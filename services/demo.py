@@ -50,7 +50,8 @@ def run_demo(num_tasks: int = 8, group_size: int = 4, out: Path = Path("exports"
         if not console.is_terminal:
             console = Console(width=160)
     t0 = time.monotonic()
-    console.print(f"[bold]Rollout Ledger demo[/bold] — engine: {engine}")
+    hint = " (zero-cost, scripted; ROLLOUT_ENGINE=vllm runs the real model)" if engine == "fake" else ""
+    console.print(f"[bold]Rollout Ledger demo[/bold] — engine: {engine}{hint}")
     with DevStack(scheduler_port=None, engine=engine, echo=console.print) as stack:
         console.print(f"services up in {time.monotonic() - t0:.1f}s\n{stack.describe().rsplit(chr(10), 1)[0]}")
         client = SchedulerClient(stack.scheduler_url)
