@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 
+import httpx
 import typer
 
 app = typer.Typer(help="Rollout Ledger: durable, token-exact RL rollouts on NATS JetStream and Postgres.",
@@ -74,6 +75,8 @@ def up(
                   engine=engine, echo=typer.echo) as stack:
         typer.echo(stack.describe())
         stack.wait_forever()
+        typer.echo("stopping: draining every service ...")
+    typer.echo("stopped.")
 
 
 @app.command()
@@ -150,8 +153,18 @@ def demo(
 
 
 def main() -> None:
+    from rollout_ledger.services.client import SchedulerError
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    app()
+    try:
+        app()
+    except SchedulerError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(1) from None
+    except httpx.ConnectError as exc:
+        typer.echo(f"error: cannot reach the scheduler ({exc}); is `rollout up` running? "
+                   "(set ROLLOUT_SCHEDULER_URL or --url)", err=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ class DevStack:
         return "\n".join([
             f"scheduler     {self.scheduler_url}   (OpenAPI docs: {self.scheduler_url}/docs)",
             f"NATS_URL      {self.infra.nats_url}",
-            f"DATABASE_URL  {self.infra.database_url}",
+            f"DATABASE_URL  {self.infra.database_url.replace('postgresql+psycopg://', 'postgresql://')}",
             f"logs          {self.log_dir}",
             "Ctrl-C stops everything.",
         ])
