@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 import nats
@@ -216,14 +216,16 @@ async def fetch(
 
 
 @contextlib.asynccontextmanager
-async def keep_in_progress(msg: Msg, interval_s: float) -> AsyncIterator[None]:
-    """Tell JetStream the message is still being worked on every ``interval_s`` while the block runs."""
+async def keep_in_progress(msgs: Msg | Sequence[Msg], interval_s: float) -> AsyncIterator[None]:
+    """Tell JetStream the message(s) are still being worked on every ``interval_s`` while the block runs."""
+    batch = [msgs] if isinstance(msgs, Msg) else list(msgs)
 
     async def _tick() -> None:
         while True:
             await asyncio.sleep(interval_s)
-            with contextlib.suppress(Exception):
-                await msg.in_progress()
+            for msg in batch:
+                with contextlib.suppress(Exception):  # a lost ping only risks a redelivery, never a loss
+                    await msg.in_progress()
 
     task = asyncio.create_task(_tick())
     try:

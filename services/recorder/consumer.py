@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TypeVar
 
@@ -59,26 +59,6 @@ def to_delivery(msg: Msg) -> Delivery:
     return d
 
 
-@contextlib.asynccontextmanager
-async def keep_alive(msgs: Sequence[Msg], interval_s: float) -> AsyncIterator[None]:
-    """In-progress pings for every message of a batch while the block runs (writes, retries)."""
-
-    async def _tick() -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            for m in msgs:
-                with contextlib.suppress(Exception):
-                    await m.in_progress()
-
-    task = asyncio.create_task(_tick())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 class Backoff:
     """Exponential delays from ``initial`` doubling up to ``cap``."""
 
@@ -115,7 +95,7 @@ class EventConsumer:
     async def handle(self, msgs: list[Msg]) -> None:
         started = time.perf_counter()
         batch = [to_delivery(m) for m in msgs]
-        async with keep_alive(msgs, max(0.5, self.settings.ack_wait_s / 3)):
+        async with bus.keep_in_progress(msgs, max(0.5, self.settings.ack_wait_s / 3)):
             outcome = await self._write(batch)
         if outcome is None:
             return  # gave up during shutdown: nothing acked, JetStream redelivers to the next recorder
