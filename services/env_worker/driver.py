@@ -122,7 +122,7 @@ class EpisodeDriver:
                     return await self._failed(FailureClass.ENV, f"unknown env {self.item.env!r} in this worker")
                 try:
                     messages = await env.reset(self.item.task)
-                    self.transcript = Transcript(self.deps.template, messages)
+                    self.transcript = Transcript(self.deps.template.with_tools(env.tools()), messages)
                 except Exception as exc:  # the env's code: any exception is an env failure
                     return await self._failed(FailureClass.ENV, f"reset: {type(exc).__name__}: {exc}")
                 await self._started(self.transcript, messages)
@@ -149,7 +149,7 @@ class EpisodeDriver:
             try:
                 result = await env.step(action)
                 env_s = time.perf_counter() - started
-                final = result.terminated or result.truncated or t + 1 >= max_turns
+                final = result.terminated or result.truncated or result.aborted or t + 1 >= max_turns
                 delta = transcript.add_observation(result.observation, final)
             except Exception as exc:  # the env's code (or its unrenderable messages): an env failure
                 return await self._failed(FailureClass.ENV, f"step {t}: {type(exc).__name__}: {exc}")
@@ -158,6 +158,8 @@ class EpisodeDriver:
             info = _jsonable(result.info)
             if delta.drift is not None:
                 info["drift"] = delta.drift.value
+            if result.aborted:
+                info["aborted"] = True
             observation = "\n".join(str(m.get("content", "")) for m in result.observation)
             if final and observation:
                 info["final_observation"] = observation  # not part of the trajectory; kept for inspection
@@ -169,6 +171,8 @@ class EpisodeDriver:
                 truncated=result.truncated, info=info, step_ms=(time.perf_counter() - started) * 1000.0,
             )
             await self._publish_async(step)
+            if result.aborted:
+                return await self._finished(TrajectoryStatus.ABORTED, "aborted")
             if result.terminated:
                 return await self._finished(TrajectoryStatus.COMPLETED, "terminated")
             if result.truncated:

@@ -21,16 +21,24 @@ then learn from tokens the policy never sampled). So:
 - when a turn's rendering does not extend the context (a template that rewrites past turns or drops
   special tokens the model emitted) the turn is kept anyway and the delta carries a drift class
   (see ``Drift``); splitting the episode into segments there is left to a later version.
+- an environment with tools gets ``TurnTemplate.with_tools``: every rendering (prompt, deltas, ``verify``)
+  passes the tool schemas, and a model whose own template has no tools section (SmolLM2) renders with the
+  tool-aware ChatML template shipped in ``templates/chatml_tools.jinja`` (prefix-stable: each message renders
+  on its own, so the deltas stay exact across ``tool`` turns).
 """
 
 from __future__ import annotations
 
 import enum
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import numpy as np
 
 from rollout_ledger.shared.chat import ChatTokenizer
@@ -46,6 +54,10 @@ _ANCHORS: tuple[tuple[Message, ...], ...] = (
     ({"role": "user", "content": "anchor"},),
 )
 """Constant context rendered before the turn, so the template sees a well-formed conversation (first that renders)."""
+
+TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
+"""ChatML with a Hermes ``<tools>`` system block, for ChatML models whose own template has no tools section."""
+_MAX_TOOL_TEMPLATES = 32
 
 
 class Drift(enum.StrEnum):
@@ -71,21 +83,51 @@ class Delta:
 class TurnTemplate:
     """The chat-template arithmetic of one tokenizer: the prompt, and the delta after a sampled turn."""
 
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools or None
+        """Tool schemas every rendering passes to the template (None: no tools)."""
         self.eos_token_id = tokenizer.eos_token_id
+        self._tools_tokenizer: ChatTokenizer | None = None
+        self._with_tools: dict[str, TurnTemplate] = {}
         self.anchor: list[Message] = []
         self.anchor_prefix = ""
         last: Exception | None = None
         for anchor in _ANCHORS:
             try:
-                self.anchor_prefix = tokenizer.render(list(anchor), add_generation_prompt=True)
+                self.anchor_prefix = tokenizer.render(list(anchor), add_generation_prompt=True, tools=self.tools)
                 self.anchor = list(anchor)
                 break
             except jinja2.TemplateError as exc:
                 last = exc
         else:
             raise TokenizationError(f"the chat template renders none of the anchor conversations: {last}")
+
+    def with_tools(self, tools: list[dict[str, Any]] | None) -> TurnTemplate:
+        """This template rendering ``tools`` (itself when there are none); cached per distinct tool list.
+
+        The model's own template is used when it renders tools; a ChatML template without a tools section is
+        replaced by ``TOOLS_TEMPLATE``; any other raises ``TokenizationError``.
+        """
+        if not tools:
+            return self
+        key = json.dumps(tools, sort_keys=True, default=str)
+        cached = self._with_tools.get(key)
+        if cached is None:
+            if len(self._with_tools) >= _MAX_TOOL_TEMPLATES:
+                self._with_tools.clear()
+            cached = self._with_tools[key] = TurnTemplate(self._tool_tokenizer(), tools)
+        return cached
+
+    def _tool_tokenizer(self) -> ChatTokenizer:
+        if renders_tools(self.tokenizer.template_source):
+            return self.tokenizer
+        if "<|im_start|>" not in self.tokenizer.template_source:
+            raise TokenizationError("the model's chat template has no tools section and is not ChatML: "
+                                    "no tool-aware template for it")
+        if self._tools_tokenizer is None:
+            self._tools_tokenizer = ChatTokenizer(self.tokenizer.model_dir, chat_template=TOOLS_TEMPLATE.read_text())
+        return self._tools_tokenizer
 
     def prompt(self, messages: Sequence[Message]) -> tuple[str, np.ndarray]:
         """Rendered initial messages with the generation prompt, and their ids."""
@@ -112,9 +154,18 @@ class TurnTemplate:
 
     def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.render(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.render(messages, add_generation_prompt=add_generation_prompt, tools=self.tools)
         except (jinja2.TemplateError, TypeError, KeyError) as exc:
             raise TokenizationError(f"chat template cannot render the messages: {type(exc).__name__}: {exc}") from exc
+
+
+def renders_tools(template_source: str) -> bool:
+    """Whether a chat template uses the ``tools`` variable."""
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template_source))
+    except jinja2.TemplateError:  # a syntax this parser lacks: fall back to the word
+        return re.search(r"\btools\b", template_source) is not None
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -200,7 +251,8 @@ class Transcript:
         if self._pending is not None:
             return False
         try:
-            rendered = self.tokenizer.render(self.messages, add_generation_prompt=self.ends_with_generation_prompt)
+            rendered = self.tokenizer.render(self.messages, add_generation_prompt=self.ends_with_generation_prompt,
+                                             tools=self.template.tools)
         except (jinja2.TemplateError, TypeError, KeyError):
             return False
         return bool(self.tokenizer.decode(self.ids, skip_special_tokens=False) + self.closing_text == rendered)

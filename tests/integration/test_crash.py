@@ -43,8 +43,9 @@ def test_env_worker_killed_mid_episode(stack: Stack, database_url: str) -> None:
                     sampling={"max_tokens": 8})
     sql = Sql(database_url)
     try:
-        wait_for(lambda: sql.scalar("select count(*) from steps where episode_id like :p", p=f"{batch_id}.%") >= 4,
-                 30, "some steps recorded")
+        # Read the worker itself (the recorder may lag): 4 turns done, episodes still in flight -> kill now.
+        wait_for(lambda: metric(victim.url, "rollout_turn_latency_seconds_count") >= 4
+                 and metric(victim.url, "rollout_episodes_in_flight") >= 1, 30, "episodes mid-way on the victim")
         victim.kill()
         assert batch(url, batch_id)["done"] is False
         stack.start("env-worker", name="env-worker-b", ROLLOUT_ACK_WAIT_S="3")

@@ -88,7 +88,7 @@ async def test_fixed_turns_fault_injection() -> None:
 
 def test_registry_lists_and_restricts() -> None:
     reg = builtin_registry()
-    assert reg.names() == ["arithmetic", "fixed-turns", "guess-number"]
+    assert reg.names() == ["arithmetic", "fixed-turns", "guess-number", "retail-orders"]
     advert = reg.get("guess-number").advert("w1")
     assert advert["multi_turn"] is True and advert["registered_by"] == "w1" and advert["example_task"]
     assert reg.get("arithmetic").multi_turn is False
@@ -103,4 +103,4 @@ async def test_example_tasks_reset() -> None:
     reg = builtin_registry()
     for spec in reg.specs():
         messages = await spec.factory().reset(spec.example_task)
-        assert messages and messages[0]["role"] == "user"
+        assert messages and messages[-1]["role"] == "user"

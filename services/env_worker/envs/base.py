@@ -22,6 +22,9 @@ class StepResult:
     """The task is over (solved or failed for good)."""
     truncated: bool = False
     """The environment cut the episode short (its own budget ran out)."""
+    aborted: bool = False
+    """The agent's action ends the episode without an outcome (e.g. a malformed tool call with abort-on-error);
+    the driver finishes the episode with status ``aborted``."""
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON-serialisable details, stored with the step."""
 
@@ -36,6 +39,11 @@ class Env(abc.ABC):
     @abc.abstractmethod
     async def step(self, action: str) -> StepResult:
         """Take the assistant's text ``action``; return the observation and reward."""
+
+    def tools(self) -> list[dict[str, Any]] | None:
+        """Tool schemas (OpenAI/Hermes function format) the chat template renders into the prompt, after
+        ``reset``; ``None`` when the environment has no tools."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release resources (called once, after the last step or a failure)."""

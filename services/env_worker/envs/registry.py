@@ -77,5 +77,6 @@ def builtin_registry() -> EnvRegistry:
     from rollout_ledger.services.env_worker.envs.arithmetic import SPEC as ARITHMETIC
     from rollout_ledger.services.env_worker.envs.fixed_turns import SPEC as FIXED_TURNS
     from rollout_ledger.services.env_worker.envs.guess_number import SPEC as GUESS_NUMBER
+    from rollout_ledger.services.env_worker.envs.retail import SPEC as RETAIL
 
-    return EnvRegistry([ARITHMETIC, GUESS_NUMBER, FIXED_TURNS])
+    return EnvRegistry([ARITHMETIC, GUESS_NUMBER, FIXED_TURNS, RETAIL])
