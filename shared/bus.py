@@ -128,7 +128,8 @@ def consumer_config(spec: ConsumerSpec) -> js_api.ConsumerConfig:
 
 
 def stream_replicas(replicas: int | None) -> int:
-    """``replicas`` or, when None, ``ROLLOUT_STREAM_REPLICAS`` (the services call ``ensure_topology(js)``)."""
+    """``replicas`` or, when None, ``ROLLOUT_STREAM_REPLICAS`` (services pass their own ``settings.stream_replicas``;
+    the fallback serves scripts and tests that call without settings)."""
     if replicas is not None:
         return replicas
     from rollout_ledger.shared.settings import BaseServiceSettings

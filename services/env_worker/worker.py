@@ -78,7 +78,7 @@ class EnvWorker:
     async def run(self, shutdown: Shutdown) -> None:
         """Set up, take work until ``shutdown``, then drain."""
         s = self.settings
-        await bus.ensure_topology(self.js)
+        await bus.ensure_topology(self.js, s.stream_replicas)
         await bus.ensure_consumer(self.js, bus.work_consumer_spec(s.ack_wait_s, s.max_deliver, s.max_ack_pending))
         await register_envs(self.js, self.envs, s.worker_id)
         await self.cancels.start(self.js)

@@ -30,7 +30,7 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
             engine = build_engine(settings)
         nc = await bus.connect(settings.nats_url, name=f"{SERVICE}-{settings.worker_id}",
                                connect_timeout_s=settings.nats_connect_timeout_s)
-        await bus.ensure_topology(nc.jetstream())
+        await bus.ensure_topology(nc.jetstream(), settings.stream_replicas)
         await engine.start()
         identity = WorkerIdentity(settings.worker_id, settings.weight_version, settings.max_inflight,
                                   settings.heartbeat_s)

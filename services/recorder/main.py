@@ -87,7 +87,7 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
         nc = await bus.connect(settings.nats_url, name=f"recorder-{settings.worker_id}",
                                connect_timeout_s=settings.nats_connect_timeout_s)
         js = nc.jetstream()
-        await bus.ensure_topology(js)
+        await bus.ensure_topology(js, settings.stream_replicas)
         await bus.ensure_consumer(js, bus.recorder_consumer_spec(settings.ack_wait_s, settings.max_ack_pending))
         await bus.ensure_consumer(js, advisory_consumer_spec(settings.ack_wait_s))
         events_sub = await js.pull_subscribe_bind(RECORDER_CONSUMER, EVENTS_STREAM)

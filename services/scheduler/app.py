@@ -47,7 +47,7 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
                                initial_wait_s=settings.nats_initial_wait_s)
         js = nc.jetstream()
         try:
-            await bus.ensure_topology(js)
+            await bus.ensure_topology(js, settings.stream_replicas)
             envs_kv = await js.key_value(ENVS_BUCKET)
             cancel_kv = await js.key_value(CANCEL_BUCKET)
         except Exception as exc:  # nats-py API errors and timeouts share no base class

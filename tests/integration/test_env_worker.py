@@ -102,7 +102,7 @@ class Policy:
             await self.release.wait()
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        ids = np.append(self.tok.encode(self.answer(self.tok.decode(req.prompt_token_ids))), 2).astype(np.int32)
+        ids = np.append(self.tok.encode(self.text_for(req)), self.tok.eos_token_id or 2).astype(np.int32)
         turn = TurnGenerated(
             event_id=req.request_id, episode_id=req.episode_id, batch_id=req.batch_id, attempt=req.attempt,
             seq=req.reply_seq, produced_by=f"inference-worker/{self.worker_id}", request_id=req.request_id,
@@ -111,6 +111,10 @@ class Policy:
             engine="policy", worker_id=self.worker_id, queue_ms=0.0, generate_ms=0.0)
         await bus.publish_event(self.js, turn)
         await self.nc.publish(msg.reply, encode(turn))
+
+    def text_for(self, req: InferenceRequested) -> str:
+        """The turn's text (subclasses script it); the end-of-turn id is appended by ``_serve``."""
+        return self.answer(self.tok.decode(req.prompt_token_ids))
 
     @staticmethod
     def answer(context: str) -> str:

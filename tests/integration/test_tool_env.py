@@ -9,14 +9,9 @@ an error observation by default, status ``aborted`` with ``abort_on_error``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import AsyncIterator, Sequence
 
-import numpy as np
 import pytest
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 from rollout_ledger.services.env_worker.envs.retail import build_task, solution
 from rollout_ledger.services.env_worker.envs.tools import format_call
@@ -24,56 +19,27 @@ from rollout_ledger.services.env_worker.tokenization import TOOLS_TEMPLATE
 from rollout_ledger.services.supervisor import Stack
 from rollout_ledger.shared import bus
 from rollout_ledger.shared.chat import ChatTokenizer
-from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
-from rollout_ledger.shared.subjects import ENVS_BUCKET, INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
-from tests.integration.test_env_worker import check_contract, episode_events, terminal_of, work_item, work_queue_empty
+from rollout_ledger.shared.events import InferenceRequested
+from rollout_ledger.shared.subjects import ENVS_BUCKET
+from tests.integration.test_env_worker import (
+    Policy,
+    check_contract,
+    episode_events,
+    terminal_of,
+    work_item,
+    work_queue_empty,
+)
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(Policy):
     """Answers turn t of an episode with ``scripts[episode_id][t]`` (+ end-of-turn), as an inference worker would."""
 
     def __init__(self, nc: bus.NATS, tok: ChatTokenizer, worker_id: str = "scripted") -> None:
-        self.nc, self.js, self.tok, self.worker_id = nc, nc.jetstream(), tok, worker_id
+        super().__init__(nc, tok, worker_id)
         self.scripts: dict[str, Sequence[str]] = {}
-        self.requests: list[InferenceRequested] = []
-        self._subs: list[Subscription] = []
-        self._beat: asyncio.Task[None] | None = None
 
-    async def start(self) -> ScriptedPolicy:
-        for subject, queue in ((infer_worker_subject(self.worker_id), ""), (INFER_ANY, INFER_QUEUE)):
-            self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=self._serve))
-        self._beat = asyncio.create_task(self._beat_forever())
-        await self.nc.flush()
-        return self
-
-    async def stop(self) -> None:
-        if self._beat is not None:
-            self._beat.cancel()
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def _beat_forever(self) -> None:
-        while not self.nc.is_closed:
-            await self.nc.publish(INFER_HEARTBEAT, dumps({
-                "worker_id": self.worker_id, "subject": infer_worker_subject(self.worker_id), "inflight": 0,
-                "capacity": 1000, "weight_version": 0, "engine": "scripted", "draining": False, "time": time.time()}))
-            await asyncio.sleep(0.5)
-
-    async def _serve(self, msg: Msg) -> None:
-        req = decode_as(msg.data, InferenceRequested)
-        self.requests.append(req)
-        text = self.scripts[req.episode_id][req.turn_index]
-        assert self.tok.eos_token_id is not None
-        ids = np.append(self.tok.encode(text), self.tok.eos_token_id).astype(np.int32)
-        turn = TurnGenerated(
-            event_id=req.request_id, episode_id=req.episode_id, batch_id=req.batch_id, attempt=req.attempt,
-            seq=req.reply_seq, produced_by=f"inference-worker/{self.worker_id}", request_id=req.request_id,
-            turn_index=req.turn_index, prompt_len=len(req.prompt_token_ids), token_ids=ids,
-            logprobs=np.full(len(ids), -0.5, dtype=np.float32), finish_reason=FinishReason.STOP, weight_version=0,
-            engine="scripted", worker_id=self.worker_id, queue_ms=0.0, generate_ms=0.0)
-        await bus.publish_event(self.js, turn)
-        await self.nc.publish(msg.reply, encode(turn))
+    def text_for(self, req: InferenceRequested) -> str:
+        return self.scripts[req.episode_id][req.turn_index]
 
 
 @pytest.fixture

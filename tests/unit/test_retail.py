@@ -24,6 +24,7 @@ from rollout_ledger.services.env_worker.envs.tools import format_call
 from rollout_ledger.services.env_worker.tokenization import TOOLS_TEMPLATE, Transcript, TurnTemplate, renders_tools
 from rollout_ledger.shared.chat import ChatTokenizer
 from rollout_ledger.shared.errors import TokenizationError
+from tests.unit.test_tokenization import sample
 
 
 def run(coro: Any) -> Any:
@@ -216,14 +217,6 @@ def test_extra_calls_are_ignored_and_counted() -> None:
 @pytest.fixture(scope="module")
 def tok(model_dir: str) -> ChatTokenizer:
     return ChatTokenizer(model_dir)
-
-
-def sample(tok: ChatTokenizer, text: str, eos: bool = True) -> np.ndarray:
-    ids = tok.encode(text)
-    if eos:
-        assert tok.eos_token_id is not None
-        ids = np.append(ids, np.int32(tok.eos_token_id))
-    return ids.astype(np.int32)
 
 
 def test_smollm2_needs_the_shipped_tool_template(tok: ChatTokenizer) -> None:
