@@ -121,6 +121,9 @@ steps = Table(
     Column("truncated", Boolean, nullable=False),
     Column("info", JSONB, nullable=False),
     Column("step_ms", REAL, nullable=False),
+    Column("drift", String(32), comment="drift class when the turn's rendering did not extend the context"),
+    Column("new_segment", Boolean, nullable=False, server_default=text("false"),
+           comment="observation_token_ids is the re-rendered context that starts a new segment"),
     Column("superseded", Boolean, nullable=False, server_default=text("false")),
     Column("produced_at", DateTime(timezone=True), nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
@@ -148,9 +151,33 @@ trajectories = Table(
     Column("num_tokens", Integer, nullable=False),
     Column("num_sampled_tokens", Integer, nullable=False),
     Column("num_turns", Integer, nullable=False),
+    Column("segments", ARRAY(Integer, dimensions=2), nullable=False,
+           comment="[start, end) of each segment (a context the policy saw; one training sample each)"),
+    Column("num_segments", Integer, nullable=False, server_default=text("1")),
+    Column("token_check", String(16),
+           comment="ok: decode(ids) equals the chat template's rendering, per segment; mismatch; NULL: not checked"),
+    Column("drifts", JSONB, nullable=False, server_default=text("'[]'::jsonb"),
+           comment='turns whose rendering did not extend the context: [{"turn": t, "class": ...}]'),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Index("ix_trajectories_batch", "batch_id"),
     Index("ix_trajectories_group", "group_id"),
+)
+
+attempt_failures = Table(
+    "attempt_failures",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("event_id", String(256), nullable=False, unique=True, comment="the EpisodeFailed event"),
+    Column("episode_id", String(128), nullable=False),
+    Column("batch_id", String(128), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("failure_class", String(16), nullable=False, comment="infra | inference | env | agent | timeout"),
+    Column("reason", Text, nullable=False),
+    Column("retried", Boolean, nullable=False, comment="another attempt followed (the class's budget was not spent)"),
+    Column("produced_at", DateTime(timezone=True), nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_attempt_failures_episode", "episode_id"),
+    Index("ix_attempt_failures_class", "failure_class", "produced_at"),
 )
 
 dead_letters = Table(

@@ -221,6 +221,12 @@ class StepCompleted(_Event):
     info: dict[str, Any] = Field(default_factory=dict)
     step_ms: float = Field(0.0, ge=0)
     """Time in ``env.step`` and tokenisation."""
+    drift: str | None = None
+    """Why this turn's rendering did not extend the context token-exactly (a ``Drift`` class of the env worker's
+    tokenisation: the template rewrote history, the agent rewrote its messages, a context window), else None."""
+    new_segment: bool = False
+    """``observation_token_ids`` is the whole re-rendered context of the next turn (mask 0): a new segment of the
+    trajectory starts with it (a trainer trains on each segment as its own sample)."""
 
 
 class EpisodeFinished(_Event):
@@ -236,6 +242,9 @@ class EpisodeFinished(_Event):
     stop_reason: str = ""
     """Why it ended (``terminated``, ``max_turns``, ``context_length``, ...)."""
     info: dict[str, Any] = Field(default_factory=dict)
+    """Free-form details. Keys the recorder stores in columns: ``token_check`` (``ok`` when, for every segment,
+    decode(ids) equals the chat template's rendering of its conversation, else ``mismatch``), ``segment_checks``
+    (one ``ok``/``mismatch`` per segment) and ``drifts`` (``[{"turn": t, "class": ...}]``)."""
 
 
 class EpisodeFailed(_Event):

@@ -137,7 +137,7 @@ class EpisodeDriver:
         for t in range(max_turns):
             if t > 0 and self.deps.is_cancelled(self.item.batch_id):
                 return await self._cancelled()
-            room = self.deps.max_model_len - len(transcript)
+            room = self.deps.max_model_len - transcript.context_len
             if room <= 0:
                 return await self._finished(TrajectoryStatus.TRUNCATED, "context_length")
             try:
@@ -156,8 +156,6 @@ class EpisodeDriver:
             self.deps.metrics.env_step_seconds.observe(env_s)
             self.reward += float(result.reward)
             info = _jsonable(result.info)
-            if delta.drift is not None:
-                info["drift"] = delta.drift.value
             if result.aborted:
                 info["aborted"] = True
             observation = "\n".join(str(m.get("content", "")) for m in result.observation)
@@ -169,6 +167,7 @@ class EpisodeDriver:
                 observation="" if final else observation,
                 observation_token_ids=delta.ids, reward=float(result.reward), terminated=result.terminated,
                 truncated=result.truncated, info=info, step_ms=(time.perf_counter() - started) * 1000.0,
+                drift=None if delta.drift is None else delta.drift.value, new_segment=delta.new_segment,
             )
             await self._publish_async(step)
             if result.aborted:
@@ -182,7 +181,7 @@ class EpisodeDriver:
     async def _generate(self, t: int, transcript: Transcript, max_tokens: int) -> TurnGenerated:
         """Turn ``t`` from an inference worker (sticky to the previous turn's worker); ``InferenceError`` when
         the budget is spent."""
-        context = transcript.ids
+        context = transcript.context
         common = {"episode_id": self.ep, "batch_id": self.item.batch_id, "attempt": self.attempt,
                   "seq": 2 * t + 1, "produced_by": self.deps.produced_by}
 
@@ -246,9 +245,11 @@ class EpisodeDriver:
         transcript = self.transcript
         if transcript is None:
             raise TokenizationError("an episode finished before its prompt was built")
-        info: dict[str, Any] = {"token_check": "ok" if transcript.verify() else "mismatch"}
+        checks = transcript.check_results()
+        info: dict[str, Any] = {"token_check": "ok" if all(checks) else "mismatch",
+                                "segment_checks": ["ok" if c else "mismatch" for c in checks]}
         if transcript.drifts:
-            info["drift_turns"] = len(transcript.drifts)
+            info["drifts"] = [{"turn": t, "class": d.value} for t, d in transcript.drifts]
         if info["token_check"] != "ok":
             log.warning("episode.token_check_mismatch", turns=self.turns)
         event = EpisodeFinished(**self._common(self._end_id, 2 * self.turns + 1), status=status, reward=self.reward,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 from rollout_ledger.services.env_worker.envs import EnvRegistry, builtin_registry
 from rollout_ledger.services.env_worker.metrics import build_metrics
@@ -11,7 +12,7 @@ from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.env_worker.worker import EnvWorker
 from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import load_chat_tokenizer
+from rollout_ledger.shared.chat import ChatTokenizer, ModelNotFoundError, load_chat_tokenizer
 from rollout_ledger.shared.logging import configure_logging, get_logger
 from rollout_ledger.shared.runtime import Health, HttpServer, Shutdown, ops_app
 
@@ -27,6 +28,17 @@ def build_envs(settings: EnvWorkerSettings) -> EnvRegistry:
     return envs.only(names) if names else envs
 
 
+def policy_tokenizer(settings: EnvWorkerSettings) -> ChatTokenizer:
+    """The policy's tokenizer with its chat template, or the template file ``settings.chat_template``."""
+    if not settings.chat_template:
+        return load_chat_tokenizer(settings.model)
+    try:
+        source = Path(settings.chat_template).read_text()
+    except OSError as exc:
+        raise ModelNotFoundError(f"ROLLOUT_CHAT_TEMPLATE: cannot read {settings.chat_template}: {exc}") from exc
+    return ChatTokenizer(settings.model, chat_template=source)
+
+
 async def run(settings: EnvWorkerSettings, shutdown: Shutdown) -> None:
     """Serve until ``shutdown`` is set, then drain in-flight episodes and return."""
     metrics = build_metrics()
@@ -34,7 +46,7 @@ async def run(settings: EnvWorkerSettings, shutdown: Shutdown) -> None:
     http = HttpServer(ops_app(SERVICE, health, metrics.registry), settings.http_host, settings.http_port)
     await http.start()
     envs = build_envs(settings)
-    template = TurnTemplate(load_chat_tokenizer(settings.model))
+    template = TurnTemplate(policy_tokenizer(settings))
     nc = await bus.connect(settings.nats_url, name=f"{SERVICE}-{settings.worker_id}",
                            connect_timeout_s=settings.nats_connect_timeout_s)
     try:

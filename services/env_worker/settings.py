@@ -40,6 +40,9 @@ class EnvWorkerSettings(BaseServiceSettings):
     cannot be failed over as precisely as turns sent to a known worker)."""
     publish_timeout_s: float = Field(10.0, gt=0)
     """How long the worker waits for the event stream to acknowledge an episode's events."""
+    chat_template: str = ""
+    """Path of a Jinja chat template used instead of the model's own (for example a reasoning template that
+    rewrites earlier turns: such turns start new segments); empty: the model's template."""
     envs: str = ""
     """Comma-separated environment names this worker runs and registers; empty means all built-ins."""
 

@@ -18,9 +18,16 @@ then learn from tokens the policy never sampled). So:
   the end-of-turn token(s) after a cut turn) is kept as ``closing_text``;
 - at the end, ``verify`` checks once that decode(all ids) + ``closing_text`` equals the rendering of the whole
   conversation (without the final observation);
-- when a turn's rendering does not extend the context (a template that rewrites past turns or drops
-  special tokens the model emitted) the turn is kept anyway and the delta carries a drift class
-  (see ``Drift``); splitting the episode into segments there is left to a later version.
+- when a turn's rendering does not extend the context (a template that rewrites past turns, as reasoning
+  templates drop earlier thinking, or drops special tokens the model emitted) the turn's sampled ids are kept
+  verbatim and the NEXT context is re-rendered from the whole conversation: a new **segment** starts with
+  those ids (mask 0) and the step carries the drift class (see ``Drift``). ``restart`` does the same for a
+  caller that rewrites the conversation itself (an agent editing its history, a sliding context window). Each
+  segment is a context the policy really saw, so a trainer trains on each as its own sample; the cost of a
+  re-render is paid only on the turns that need it;
+- ``verify`` checks every segment: decode(its ids) equals the rendering of its conversation (for a segment
+  that a re-render closed: the rendering before its last turn plus that turn's sampled text, since the
+  template no longer renders that text the way it was sampled);
 - an environment with tools gets ``TurnTemplate.with_tools``: every rendering (prompt, deltas, ``verify``)
   passes the tool schemas, and a model whose own template has no tools section (SmolLM2) renders with the
   tool-aware ChatML template shipped in ``templates/chatml_tools.jinja`` (prefix-stable: each message renders
@@ -67,6 +74,10 @@ class Drift(enum.StrEnum):
     """The template rendered the constant context differently once an assistant turn followed it."""
     ASSISTANT_RENDER = "assistant_render"
     """The template's rendering of the assistant turn is not the sampled text (trimmed, rewritten, specials)."""
+    HISTORY_REWRITE = "history_rewrite"
+    """The caller's conversation is not the previous one plus the sampled turn (an agent edited its history)."""
+    WINDOW = "window"
+    """A context policy re-rendered the conversation from a window of it (system + last turns)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,8 @@ class Delta:
     drift: Drift | None = None
     rendered_chars: int = 0
     """Characters of the small conversation rendered to find the delta (its cost; constant per turn)."""
+    new_segment: bool = False
+    """``ids`` is the whole re-rendered context of the next turn, the start of a new segment."""
 
 
 class TurnTemplate:
@@ -177,12 +190,13 @@ def _common_prefix_len(a: str, b: str) -> int:
 
 
 class Transcript:
-    """One episode's token sequence (prompt, sampled turns, deltas) with its loss mask and its messages."""
+    """One episode's token sequence (prompt, sampled turns, deltas) with its loss mask, segments and messages."""
 
     def __init__(self, template: TurnTemplate, messages: Sequence[Message]) -> None:
         self.template = template
         self.tokenizer = template.tokenizer
         self.messages: list[Message] = list(messages)
+        """The whole conversation (what a re-render after a drift renders)."""
         self.prompt_text, self.prompt_ids = template.prompt(self.messages)
         self._ids = np.zeros(max(256, 2 * len(self.prompt_ids)), dtype=np.int32)
         self._mask = np.zeros_like(self._ids, dtype=np.int8)
@@ -190,8 +204,17 @@ class Transcript:
         self.ends_with_generation_prompt = True
         self.closing_text = ""
         """Template text after the last sampled turn, not part of the sequence (see the module docstring)."""
-        self.drifts: list[Drift] = []
+        self.drifts: list[tuple[int, Drift]] = []
+        """(turn index, drift class) of every turn whose rendering did not extend the context."""
+        self.segment_starts: list[int] = [0]
+        self.segment_checks: list[bool] = []
+        """decode == render of each closed segment (the open one is checked by ``verify``)."""
+        self._segment_messages: list[Message] = self.messages
+        """The conversation the open segment renders (the same list as ``messages`` until a window)."""
         self._pending: tuple[str, str] | None = None
+        self._turns = 0
+        self._final_drift = False
+        self._last_turn_start = 0
         self._append(self.prompt_ids, 0)
 
     def __len__(self) -> int:
@@ -211,6 +234,22 @@ class Transcript:
         view.flags.writeable = False
         return view
 
+    @property
+    def segments(self) -> list[list[int]]:
+        """``[start, end)`` of each segment; they cover ``ids`` in order."""
+        ends = [*self.segment_starts[1:], self._len]
+        return [[a, b] for a, b in zip(self.segment_starts, ends, strict=True)]
+
+    @property
+    def context_len(self) -> int:
+        """Length of the open segment: the context the next turn is generated from."""
+        return self._len - self.segment_starts[-1]
+
+    @property
+    def context(self) -> np.ndarray:
+        """The open segment's ids: what the engine sees for the next turn."""
+        return self.ids[self.segment_starts[-1]:]
+
     def add_sampled(self, token_ids: np.ndarray) -> str:
         """Append a turn's sampled ids verbatim (mask 1); return the action text (special tokens skipped)."""
         if self._pending is not None:
@@ -221,41 +260,119 @@ class Transcript:
         self._append(token_ids, 1)
         return action
 
-    def add_observation(self, observation: Sequence[Message], final: bool) -> Delta:
+    def add_observation(self, observation: Sequence[Message], final: bool,
+                        window: Sequence[Message] | None = None) -> Delta:
         """Append the template text after the pending turn: ``observation`` and the generation prompt.
 
         ``final``: the episode ends with this turn; nothing is appended (the returned delta is empty and
         ``observation`` is dropped) and the template's closing text is kept in ``closing_text``.
+        When the template does not extend the context token-exactly, the whole conversation is re-rendered as a
+        new segment instead (``Delta.new_segment``). ``window``: a context policy's view of the conversation
+        after this observation; the next context is re-rendered from it (a new segment, drift ``window``).
         """
         if self._pending is None:
             raise TokenizationError("add_observation() without a sampled turn before it")
         sampled_text, action = self._pending
-        self._pending = None
-        self.messages.append({"role": "assistant", "content": action})
+        assistant = {"role": "assistant", "content": action}
+        turn = self._turns
         if final:
             closing = self.template.delta(sampled_text, action, (), final=True)
+            self._close_turn(assistant, ())
             self.closing_text = closing.text
             self.ends_with_generation_prompt = False
-            delta = Delta(text="", ids=_EMPTY, drift=closing.drift, rendered_chars=closing.rendered_chars)
-        else:
-            delta = self.template.delta(sampled_text, action, observation, final=False)
+            self._final_drift = closing.drift is not None
+            if closing.drift is not None:
+                self.drifts.append((turn, closing.drift))
+            return Delta(text="", ids=_EMPTY, drift=closing.drift, rendered_chars=closing.rendered_chars)
+        delta = self.template.delta(sampled_text, action, observation, final=False)
+        if delta.drift is None and window is None:
+            self._close_turn(assistant, observation)
             self._append(delta.ids, 0)
-            self.messages.extend(observation)
-        if delta.drift is not None:
-            self.drifts.append(delta.drift)
-        return delta
+            return delta
+        drift = delta.drift or Drift.WINDOW
+        self._check_closing_segment()
+        self._close_turn(assistant, observation)
+        target = list(window) if window is not None else self.messages
+        segment = self._start_segment(target, drift, turn)
+        return Delta(text=segment.text, ids=segment.ids, drift=drift,
+                     rendered_chars=delta.rendered_chars + segment.rendered_chars, new_segment=True)
+
+    def restart(self, messages: Sequence[Message], drift: Drift = Drift.HISTORY_REWRITE) -> Delta:
+        """The pending turn is followed by ``messages``, a conversation the caller rewrote (it does not extend the
+        previous one plus the sampled turn): re-render it with the generation prompt as a new segment."""
+        if self._pending is None:
+            raise TokenizationError("restart() without a sampled turn before it")
+        turn = self._turns
+        self._check_closing_segment()
+        self._pending = None
+        self._turns += 1
+        self.messages = list(messages)
+        return self._start_segment(self.messages, drift, turn)
 
     def verify(self) -> bool:
-        """decode(all ids) + ``closing_text`` == the template's rendering of the whole conversation (once per
-        episode)."""
+        """Every segment decodes to its conversation's rendering (once per episode; see the module docstring)."""
+        return all(self.segment_checks) and self._check_open_segment()
+
+    def check_results(self) -> list[bool]:
+        """``verify`` per segment, in order."""
+        return [*self.segment_checks, self._check_open_segment()]
+
+    # --- internals ------------------------------------------------------------------------------------
+    def _close_turn(self, assistant: Message, observation: Sequence[Message]) -> None:
+        self._pending = None
+        self._turns += 1
+        self.messages.append(assistant)
+        self.messages.extend(observation)
+        if self._segment_messages is not self.messages:
+            self._segment_messages.append(assistant)
+            self._segment_messages.extend(observation)
+
+    def _check_closing_segment(self) -> None:
+        """Record decode == render for the segment a re-render is about to close (its last turn is pending):
+        the rendering of its conversation before that turn, plus the turn's sampled text."""
+        assert self._pending is not None
+        start = self.segment_starts[-1]
+        try:
+            before = self._render(self._segment_messages, add_generation_prompt=True)
+        except TokenizationError:
+            self.segment_checks.append(False)
+            return
+        decoded = self.tokenizer.decode(self._ids[start: self._len], skip_special_tokens=False)
+        self.segment_checks.append(decoded == before + self._pending[0])
+
+    def _check_open_segment(self) -> bool:
         if self._pending is not None:
             return False
+        start = self.segment_starts[-1]
+        decoded = self.tokenizer.decode(self._ids[start: self._len], skip_special_tokens=False)
+        messages = self._segment_messages
         try:
-            rendered = self.tokenizer.render(self.messages, add_generation_prompt=self.ends_with_generation_prompt,
-                                             tools=self.template.tools)
-        except (jinja2.TemplateError, TypeError, KeyError):
+            if self._final_drift:
+                # The template renders the last turn differently from its sampled text: the segment is the
+                # rendering before that turn plus the turn's sampled text.
+                before = self._render(messages[:-1], add_generation_prompt=True)
+                last = self._ids[self._last_turn_start: self._len]
+                return decoded == before + self.tokenizer.decode(last, skip_special_tokens=False)
+            rendered = self._render(messages, add_generation_prompt=self.ends_with_generation_prompt)
+        except TokenizationError:
             return False
-        return bool(self.tokenizer.decode(self.ids, skip_special_tokens=False) + self.closing_text == rendered)
+        return bool(decoded + self.closing_text == rendered)
+
+    def _start_segment(self, messages: list[Message], drift: Drift, turn: int) -> Delta:
+        text = self._render(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text)
+        self.drifts.append((turn, drift))
+        self.segment_starts.append(self._len)
+        self._segment_messages = messages
+        self._append(ids, 0)
+        return Delta(text=text, ids=ids, drift=drift, rendered_chars=len(text), new_segment=True)
+
+    def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.render(messages, add_generation_prompt=add_generation_prompt,
+                                         tools=self.template.tools)
+        except (jinja2.TemplateError, TypeError, KeyError) as exc:
+            raise TokenizationError(f"chat template cannot render the messages: {exc}") from exc
 
     def _append(self, ids: np.ndarray, mask: int) -> None:
         n = len(ids)
@@ -267,6 +384,8 @@ class Transcript:
             grown_mask = np.zeros(size, dtype=np.int8)
             grown_mask[: self._len] = self._mask[: self._len]
             self._ids, self._mask = grown, grown_mask
+        if mask:
+            self._last_turn_start = self._len
         self._ids[self._len: end] = ids
         self._mask[self._len: end] = mask
         self._len = end

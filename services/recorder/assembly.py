@@ -12,7 +12,10 @@ template tokens and may be empty on the last turn. Per position:
 - ``loss_mask`` is 1 exactly on sampled ids, 0 elsewhere;
 - ``logprobs`` holds the inference engine's logprob on sampled ids, 0.0 elsewhere;
 - ``weight_versions`` holds the weight version of the turn on sampled ids, -1 elsewhere;
-- ``action_ranges`` lists ``[start, end)`` of every non-empty sampled span.
+- ``action_ranges`` lists ``[start, end)`` of every non-empty sampled span;
+- ``segments`` lists ``[start, end)`` of every segment: a step with ``new_segment`` carries the whole
+  re-rendered context of the next turn, and a new segment starts with it (each segment is a context the policy
+  saw, trained on as its own sample). A turn's ``prompt_len`` is checked against its segment's length.
 
 This module does no I/O; ``pair_records`` decides whether the stored records are complete, ``assemble`` builds
 the arrays and checks that they are consistent.
@@ -55,6 +58,8 @@ class StepRecord:
     """The turn try whose sampled ids the episode kept."""
     observation_token_ids: np.ndarray
     reward: float
+    new_segment: bool = False
+    """``observation_token_ids`` is the re-rendered context that starts a new segment."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,10 @@ class Trajectory:
     distinct_weight_versions: list[int]
     """Sorted distinct weight versions of the kept turns."""
     step_rewards: list[float]
+    segments: list[list[int]] = field(default_factory=list)
+    """``[start, end)`` of each segment, covering ``token_ids`` in order."""
     context_mismatches: tuple[int, ...] = field(default=())
-    """Turn indices whose ``prompt_len`` differs from the assembled context length before them: the env worker
+    """Turn indices whose ``prompt_len`` differs from the assembled segment length before them: the env worker
     sent the engine a context that is not this trajectory's prefix (re-tokenisation drift). Recorded, not fatal."""
 
 
@@ -123,6 +130,7 @@ def assemble(prompt_ids: np.ndarray, pairs: Sequence[tuple[TurnRecord, StepRecor
     mismatches: list[int] = []
     pos = len(prompt)
     sampled = 0
+    starts = [0]
     for expected_index, (turn, step) in enumerate(pairs):
         if step.turn_index != expected_index or turn.turn_index != expected_index:
             raise SchemaError(f"turn {expected_index}: step has turn_index {step.turn_index}, "
@@ -134,8 +142,10 @@ def assemble(prompt_ids: np.ndarray, pairs: Sequence[tuple[TurnRecord, StepRecor
         if len(ids) != len(lps):
             raise SchemaError(f"turn {turn.event_id}: {len(ids)} token ids but {len(lps)} logprobs")
         obs = np.asarray(step.observation_token_ids, dtype=_IDS)
-        if turn.prompt_len != pos:
+        if turn.prompt_len != pos - starts[-1]:
             mismatches.append(expected_index)
+        if step.new_segment:
+            starts.append(pos + len(ids))
         n = len(ids)
         if n:
             ranges.append([pos, pos + n])
@@ -146,6 +156,7 @@ def assemble(prompt_ids: np.ndarray, pairs: Sequence[tuple[TurnRecord, StepRecor
         pos += n + len(obs)
         sampled += n
     token_ids = np.concatenate(parts_ids)
+    ends = [*starts[1:], len(token_ids)]
     return Trajectory(
         token_ids=token_ids,
         loss_mask=np.concatenate(parts_mask),
@@ -160,5 +171,6 @@ def assemble(prompt_ids: np.ndarray, pairs: Sequence[tuple[TurnRecord, StepRecor
         kept_step_ids=tuple(s.event_id for _, s in pairs),
         distinct_weight_versions=sorted({int(t.weight_version) for t, _ in pairs}),
         step_rewards=[float(s.reward) for _, s in pairs],
+        segments=[[a, b] for a, b in zip(starts, ends, strict=True)],
         context_mismatches=tuple(mismatches),
     )

@@ -197,7 +197,8 @@ _F8_FIELD = struct.Struct(">id")
 _TS_FIELD = struct.Struct(">iq")
 _BOOL2 = struct.Struct(">i?i?")
 _NCOLS_TURN = struct.pack(">h", 15)
-_NCOLS_STEP = struct.pack(">h", 14)
+_NCOLS_STEP = struct.pack(">h", 16)
+_BOOL = struct.Struct(">i?")
 
 
 def turn_row(e: Any) -> bytes:
@@ -224,17 +225,19 @@ def step_row(e: Any) -> bytes:
             _I4_FIELD.pack(4, e.attempt), _I4_FIELD.pack(4, e.turn_index), text(e.turn_event_id),
             text(e.action), text(e.observation), field(int4_array(e.observation_token_ids)),
             _F8_FIELD.pack(8, e.reward), _BOOL2.pack(1, e.terminated, 1, e.truncated), jsonb(e.info),
-            _F4_FIELD.pack(4, e.step_ms), _TS_FIELD.pack(8, micros(e.time)),
+            _F4_FIELD.pack(4, e.step_ms), NULL if e.drift is None else text(e.drift), _BOOL.pack(1, e.new_segment),
+            _TS_FIELD.pack(8, micros(e.time)),
         ))
     except (struct.error, OverflowError, UnicodeError) as exc:
         raise EncodeError(f"step {e.event_id}: {exc}") from exc
 
 
-_NCOLS_TRAJECTORY = struct.pack(">h", 17)
+_NCOLS_TRAJECTORY = struct.pack(">h", 21)
 
 
 def trajectory_row(episode_id: str, batch_id: str, group_id: str, env: str, attempt: int, status: str,
-                   failure_class: str | None, reward: float | None, traj: Any) -> bytes:
+                   failure_class: str | None, reward: float | None, traj: Any, token_check: str | None = None,
+                   drifts: Any = ()) -> bytes:
     """One ``trajectories`` COPY row (columns in ``store._TRAJECTORY_COLS`` order) from an assembled trajectory."""
     try:
         return b"".join((
@@ -245,6 +248,8 @@ def trajectory_row(episode_id: str, batch_id: str, group_id: str, env: str, atte
             field(int4_array(traj.weight_versions)), field(int4_matrix(traj.action_ranges, 2)),
             _I4_FIELD.pack(4, traj.prompt_len), _I4_FIELD.pack(4, traj.num_tokens),
             _I4_FIELD.pack(4, traj.num_sampled_tokens), _I4_FIELD.pack(4, traj.num_turns),
+            field(int4_matrix(traj.segments, 2)), _I4_FIELD.pack(4, len(traj.segments)),
+            NULL if token_check is None else text(token_check), jsonb(list(drifts)),
         ))
     except (struct.error, OverflowError, UnicodeError) as exc:
         raise EncodeError(f"trajectory of {episode_id}: {exc}") from exc

@@ -274,7 +274,12 @@ def _terminal(d: Delivery, ev: TerminalEvent, ep: EpisodeRow | None,
             reason = (f"token count mismatch: the env worker reported {ev.num_tokens} tokens, the stored turns "
                       f"assemble to {traj.num_tokens}")
             return _fail_episode(d, ev, reason, "token_mismatch", out, w)
-        w.trajectories.append(TrajectoryWrite(ep, ev.attempt, str(ev.status), None, ev.reward, traj))
+        check = ev.info.get("token_check")
+        drifts = ev.info.get("drifts")
+        w.trajectories.append(TrajectoryWrite(
+            ep, ev.attempt, str(ev.status), None, ev.reward, traj,
+            token_check=check if check in ("ok", "mismatch") else None,
+            drifts=drifts if isinstance(drifts, list) else []))
         w.finishes.append(Finish(ev.episode_id, EpisodeStatus(str(ev.status)), ev.attempt, ev.time, reward=ev.reward,
                                  num_turns=traj.num_turns, stop_reason=ev.stop_reason,
                                  weight_versions=traj.distinct_weight_versions))

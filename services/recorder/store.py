@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -40,9 +40,10 @@ _TURN_COLS = ("event_id", "episode_id", "attempt", "turn_index", "prompt_len", "
 _TURN_TYPES = ("text", "text", "int4", "int4", "int4", "int4[]", "float4[]", "text", "int4", "text", "text",
                "float4", "float4", "int4", "timestamptz")
 _STEP_COLS = ("event_id", "episode_id", "attempt", "turn_index", "turn_event_id", "action", "observation",
-              "observation_token_ids", "reward", "terminated", "truncated", "info", "step_ms", "produced_at")
+              "observation_token_ids", "reward", "terminated", "truncated", "info", "step_ms", "drift", "new_segment",
+              "produced_at")
 _STEP_TYPES = ("text", "text", "int4", "int4", "text", "text", "text", "int4[]", "float8", "bool", "bool", "jsonb",
-               "float4", "timestamptz")
+               "float4", "text", "bool", "timestamptz")
 
 
 def classify(exc: BaseException) -> StoreError:
@@ -108,11 +109,15 @@ class TrajectoryWrite:
     failure_class: str | None
     reward: float | None
     traj: Trajectory
+    token_check: str | None = None
+    """``ok`` / ``mismatch`` as the env worker checked it (``EpisodeFinished.info``); None when not checked."""
+    drifts: list[dict[str, Any]] = field(default_factory=list)
 
 
 _TRAJECTORY_COLS = ("episode_id", "batch_id", "group_id", "env", "attempt", "status", "failure_class", "reward",
                     "token_ids", "loss_mask", "logprobs", "weight_versions", "action_ranges", "prompt_len",
-                    "num_tokens", "num_sampled_tokens", "num_turns")
+                    "num_tokens", "num_sampled_tokens", "num_turns", "segments", "num_segments", "token_check",
+                    "drifts")
 
 _UPSERT_TRAJECTORIES = (
     f"INSERT INTO trajectories ({', '.join(_TRAJECTORY_COLS)}) "
@@ -122,7 +127,9 @@ _UPSERT_TRAJECTORIES = (
     "loss_mask = excluded.loss_mask, logprobs = excluded.logprobs, "
     "weight_versions = excluded.weight_versions, action_ranges = excluded.action_ranges, "
     "prompt_len = excluded.prompt_len, num_tokens = excluded.num_tokens, "
-    "num_sampled_tokens = excluded.num_sampled_tokens, num_turns = excluded.num_turns, created_at = now() "
+    "num_sampled_tokens = excluded.num_sampled_tokens, num_turns = excluded.num_turns, "
+    "segments = excluded.segments, num_segments = excluded.num_segments, token_check = excluded.token_check, "
+    "drifts = excluded.drifts, created_at = now() "
     "WHERE trajectories.attempt < excluded.attempt"
 )
 
@@ -255,7 +262,7 @@ class Tx:
         async with self.pg.cursor(binary=True) as cur:
             await cur.execute(
                 "SELECT s.episode_id, s.event_id, s.turn_index, s.turn_event_id, s.observation_token_ids, s.reward, "
-                "t.event_id, t.turn_index, t.prompt_len, t.token_ids, t.logprobs, t.weight_version "
+                "t.event_id, t.turn_index, t.prompt_len, t.token_ids, t.logprobs, t.weight_version, s.new_segment "
                 "FROM unnest(%s::text[], %s::int4[], %s::int4[]) AS q(eid, att, n) "
                 "JOIN steps s ON s.episode_id = q.eid AND s.attempt = q.att AND s.turn_index < q.n "
                 "LEFT JOIN turns t ON t.event_id = s.turn_event_id AND t.episode_id = s.episode_id "
@@ -264,7 +271,7 @@ class Tx:
             rows = await cur.fetchall()
         for r in rows:
             steps, turns = out[r[0]]
-            steps.append(StepRecord(r[1], int(r[2]), r[3], r[4], float(r[5])))
+            steps.append(StepRecord(r[1], int(r[2]), r[3], r[4], float(r[5]), new_segment=bool(r[12])))
             if r[6] is not None:
                 turns[r[6]] = TurnRecord(r[6], int(r[7]), int(r[8]), r[9], r[10], int(r[11]))
         return out
@@ -279,7 +286,7 @@ class Tx:
         try:
             payload = b"".join([pgbinary.COPY_HEADER, *(pgbinary.trajectory_row(
                 w.ep.id, w.ep.batch_id, w.ep.group_id, w.ep.env, w.attempt, w.status, w.failure_class, w.reward,
-                w.traj) for w in writes), pgbinary.COPY_TRAILER])
+                w.traj, w.token_check, w.drifts) for w in writes), pgbinary.COPY_TRAILER])
         except pgbinary.EncodeError as exc:
             raise StoreError(f"cannot encode a trajectory: {exc}", retryable=False) from exc
         collist = ", ".join(_TRAJECTORY_COLS)

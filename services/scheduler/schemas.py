@@ -166,7 +166,8 @@ class EpisodePublic(BaseModel):
 class SpanPublic(BaseModel):
     """A contiguous part of a trajectory's token sequence."""
 
-    kind: Literal["prompt", "sampled", "observation"]
+    kind: Literal["prompt", "sampled", "observation", "context"]
+    """``context``: a segment's re-rendered context (the chat template or a context policy rewrote history)."""
     start: int
     end: int
     """Exclusive."""
@@ -195,6 +196,13 @@ class TrajectoryPublic(BaseModel):
     num_tokens: int
     num_sampled_tokens: int
     num_turns: int
+    segments: list[list[int]]
+    """``[start, end)`` of each segment: a context the policy saw, trained on as its own sample."""
+    num_segments: int
+    token_check: str | None
+    """``ok`` when every segment decodes to the chat template's rendering of its conversation."""
+    drifts: list[dict[str, Any]]
+    """Turns whose rendering did not extend the context, with their drift class."""
     created_at: datetime
     text: str | None
     """The whole sequence decoded (special tokens kept); null when the tokenizer is unavailable."""

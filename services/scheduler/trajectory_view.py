@@ -9,7 +9,8 @@ from typing import Literal
 
 from rollout_ledger.shared.chat import ChatTokenizer, ModelNotFoundError, load_chat_tokenizer
 
-SpanKind = Literal["prompt", "sampled", "observation"]
+SpanKind = Literal["prompt", "sampled", "observation", "context"]
+"""``context``: a segment's re-rendered context (the template or a context policy re-rendered the conversation)."""
 
 
 @dataclass(frozen=True)
@@ -22,27 +23,35 @@ class Span:
     turn_index: int | None
 
 
-def trajectory_spans(num_tokens: int, prompt_len: int, action_ranges: Sequence[Sequence[int]]) -> list[Span]:
+def trajectory_spans(num_tokens: int, prompt_len: int, action_ranges: Sequence[Sequence[int]],
+                     segments: Sequence[Sequence[int]] = ()) -> list[Span]:
     """Split ``[0, num_tokens)`` into the prompt, each sampled span and the observation spans between them.
 
     The tokens after sampled span ``i`` and before span ``i+1`` (or the end) are the observation answering
-    turn ``i``. Ranges are clipped to the sequence so a malformed row still yields a view.
+    turn ``i``; where a segment starts there instead, they are that segment's re-rendered ``context``. Ranges are
+    clipped to the sequence so a malformed row still yields a view.
     """
     spans: list[Span] = []
     prompt_end = max(0, min(prompt_len, num_tokens))
     spans.append(Span("prompt", 0, prompt_end, None))
+    starts = {int(seg[0]) for seg in segments if int(seg[0]) > 0}
     pos = prompt_end
     last_turn: int | None = None
+
+    def gap(until: int) -> None:
+        kind: SpanKind = "context" if pos in starts else "observation"
+        spans.append(Span(kind, pos, until, last_turn))
+
     for turn, rng in enumerate(action_ranges):
         start = max(pos, min(int(rng[0]), num_tokens))
         end = max(start, min(int(rng[1]), num_tokens))
         if start > pos:
-            spans.append(Span("observation", pos, start, last_turn))
+            gap(start)
         spans.append(Span("sampled", start, end, turn))
         pos = end
         last_turn = turn
     if pos < num_tokens:
-        spans.append(Span("observation", pos, num_tokens, last_turn))
+        gap(num_tokens)
     return spans
 
 

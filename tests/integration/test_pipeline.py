@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from rollout_ledger.services.exporter.export import export_batch
 from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared.chat import load_chat_tokenizer
+from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
 from tests.helpers import Sql, metric, wait_for
 
 
@@ -151,5 +151,61 @@ def test_max_turns_truncates(stack: Stack, database_url: str) -> None:
     try:
         row = sql.rows("select status, num_turns from trajectories where batch_id = :b", b=info["batch_id"])[0]
         assert row == {"status": "truncated", "num_turns": 3}
+    finally:
+        sql.close()
+
+
+REWRITING_TEMPLATE = (
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last %}{% set content = '[earlier] ' + content %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""A chat template that rewrites history (earlier assistant turns render differently once answered), as the
+templates of reasoning models do with earlier thinking."""
+
+
+def test_history_rewriting_template_yields_segments(stack: Stack, database_url: str, model_dir: str,
+                                                    tmp_path: Path) -> None:
+    """Every turn after a rewritten one starts a new segment: recorded with its drift class, each segment decodes
+    to the template's rendering, the engine saw exactly each segment as its context, and nothing fails."""
+    template = tmp_path / "rewriting.jinja"
+    template.write_text(REWRITING_TEMPLATE)
+    url = start_all(stack, ROLLOUT_CHAT_TEMPLATE=str(template))
+    info = submit_and_wait(url, env="fixed-turns", tasks=[{"turns": 4}, {"turns": 2}], group_size=2, max_turns=8,
+                           sampling={"max_tokens": 12})
+    counts = info["counts"]
+    assert isinstance(counts, dict) and counts["completed"] == 4
+    batch_id = str(info["batch_id"])
+    sql = Sql(database_url)
+    tok = ChatTokenizer(model_dir, chat_template=REWRITING_TEMPLATE)
+    try:
+        assert check_token_exact(sql, batch_id) == 4
+        rows = sql.rows("select episode_id, token_ids, segments, num_segments, num_turns, token_check, drifts, "
+                        "action_ranges from trajectories where batch_id = :b", b=batch_id)
+        for tr in rows:
+            n = tr["num_turns"]
+            assert tr["num_segments"] == n and len(tr["segments"]) == n
+            assert tr["token_check"] == "ok"
+            assert tr["drifts"] == [{"turn": t, "class": "assistant_render"} for t in range(n - 1)]
+            assert tr["segments"][0][0] == 0 and tr["segments"][-1][1] == len(tr["token_ids"])
+            for (_, end), (start, _) in itertools.pairwise(tr["segments"]):
+                assert end == start
+            # each segment ends with its turn's sampled ids, and the engine generated that turn from the segment
+            turns = sql.rows("select t.prompt_len, t.token_ids from steps s join turns t on t.event_id = "
+                             "s.turn_event_id where s.episode_id = :e and not s.superseded order by s.turn_index",
+                             e=tr["episode_id"])
+            for (start, end), (a_start, a_end), turn in zip(tr["segments"], tr["action_ranges"], turns, strict=True):
+                assert a_end == end and turn["prompt_len"] == a_start - start
+            # later segments hold the rewritten history, as the template renders it
+            if n > 1:
+                last = tr["segments"][-1]
+                assert "[earlier] " in tok.decode(tr["token_ids"][last[0]:last[1]])
+        steps = sql.rows("select drift, new_segment from steps where episode_id = :e order by turn_index",
+                         e=rows[0]["episode_id"])
+        assert [s["new_segment"] for s in steps] == [True] * (len(steps) - 1) + [False]
+        view = httpx.get(f"{url}/v1/episodes/{rows[0]['episode_id']}/trajectory", timeout=10).json()
+        assert view["num_segments"] == rows[0]["num_segments"] and view["token_check"] == "ok"
+        assert [s["kind"] for s in view["spans"]].count("context") == rows[0]["num_segments"] - 1
     finally:
         sql.close()

@@ -34,7 +34,8 @@ def _step(i: int, obs: list[int]) -> StepCompleted:
         produced_by="env/w", time=datetime(1999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC), turn_index=i,
         turn_event_id=f"b.0.0:a1:t{i}:r1", action="héllo\n\"x\"", observation="", reward=-1.5e-3,
         terminated=i == 1, truncated=False, info={"k": [1, 2.5, None], "nested": {"ok": True}, "3": "x"},
-        step_ms=2.5, observation_token_ids=np.array(obs, dtype="<i4"))
+        step_ms=2.5, observation_token_ids=np.array(obs, dtype="<i4"), drift="assistant_render" if i == 0 else None,
+        new_segment=i == 0)
 
 
 def test_copied_turns_and_steps_read_back_exactly(database_url: str) -> None:
@@ -56,7 +57,7 @@ def test_copied_turns_and_steps_read_back_exactly(database_url: str) -> None:
     for s, row in zip(steps, got_steps, strict=True):
         assert row == (s.event_id, s.episode_id, 1, s.turn_index, s.turn_event_id, s.action, s.observation,
                        s.observation_token_ids.tolist(), s.reward, s.terminated, s.truncated,
-                       s.info, 2.5, s.time)
+                       s.info, 2.5, s.drift, s.new_segment, s.time)
 
 
 def test_array_parameters_and_results_round_trip(database_url: str) -> None:

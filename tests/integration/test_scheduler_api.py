@@ -302,7 +302,7 @@ def _trajectory_row(ep_id: str, batch_id: str, ids: list[int], prompt_len: int, 
             "attempt": 1, "status": "completed", "reward": reward, "token_ids": ids, "loss_mask": mask,
             "logprobs": [-0.5 if m else 0.0 for m in mask], "weight_versions": [3 if m else -1 for m in mask],
             "action_ranges": ranges, "prompt_len": prompt_len, "num_tokens": len(ids),
-            "num_sampled_tokens": sum(mask), "num_turns": len(ranges)}
+            "num_sampled_tokens": sum(mask), "num_turns": len(ranges), "segments": [[0, len(ids)]]}
 
 
 async def test_batch_counts_reward_and_done(api: Api) -> None:

@@ -122,3 +122,29 @@ def test_pairing_picks_the_try_the_step_names_and_reports_gaps() -> None:
     missing_turn = pair_records(1, [step(0, [], try_=3)], turns)
     assert isinstance(missing_turn, Incomplete) and "e:a1:t0:r3" in missing_turn.reason
     assert pair_records(0, [], {}) == []
+
+
+def test_new_segment_steps_split_the_trajectory_and_check_context_per_segment() -> None:
+    """A step with ``new_segment`` carries the next turn's whole context: a segment starts there, and the next
+    turn's ``prompt_len`` is that segment's length (not the whole sequence's)."""
+    prompt = np.asarray([1, 2], "<i4")
+    seg_step = StepRecord("e:a1:s0", 0, "e:a1:t0:r1", np.asarray([1, 2, 5, 70, 71], "<i4"), 0.0, new_segment=True)
+    pairs = [
+        (turn(0, [5, 6, 7], prompt_len=2), seg_step),
+        (turn(1, [8, 9], prompt_len=5), step(1, [3], reward=1.0)),
+        (turn(2, [4], prompt_len=8), step(2, [])),
+    ]
+    traj = assemble(prompt, pairs)
+    assert traj.token_ids.tolist() == [1, 2, 5, 6, 7, 1, 2, 5, 70, 71, 8, 9, 3, 4]
+    assert traj.segments == [[0, 5], [5, 14]]
+    assert traj.context_mismatches == ()
+    assert traj.action_ranges == [[2, 5], [10, 12], [13, 14]]
+    assert traj.loss_mask.tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 1]
+    # a turn whose prompt_len counts the whole sequence instead of its segment is a recorded mismatch
+    bad = [(pairs[0][0], seg_step), (turn(1, [8, 9], prompt_len=10), step(1, [3]))]
+    assert assemble(prompt, bad).context_mismatches == (1,)
+
+
+def test_one_segment_without_new_segment_steps() -> None:
+    traj = assemble(np.asarray([1], "<i4"), [(turn(0, [5], prompt_len=1), step(0, []))])
+    assert traj.segments == [[0, 2]]

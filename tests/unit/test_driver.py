@@ -104,7 +104,7 @@ async def test_events_assemble_into_the_rendered_conversation(nc: bus.NATS, serv
     assert full[-1] != 2
     assert steps[-1].observation == "" and len(steps[-1].observation_token_ids) == 0
     assert steps[-1].info["final_observation"] == "Turn 5 of 5 done. Continue."
-    assert finished.num_tokens == len(full) and finished.info == {"token_check": "ok"}
+    assert finished.num_tokens == len(full) and finished.info == {"token_check": "ok", "segment_checks": ["ok"]}
     assert int(np.concatenate(mask).sum()) == sum(len(t.token_ids) for t in turns)
     assert steps[1].observation_token_ids[0] == 2  # turn 1 was cut: the delta closes it with <|im_end|>
     assert finished.reward == 1.0 and finished.stop_reason == "terminated"

@@ -135,17 +135,101 @@ def test_per_turn_cost_is_constant(tok: SpyTokenizer) -> None:
     assert tr.verify()
 
 
-def test_drift_is_recorded_not_raised(tok: SpyTokenizer, model_dir: str) -> None:
-    """A template that trims assistant content does not extend the sampled text: the turn is kept, drift noted."""
+REASONING = (
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last %}{% set content = content.split('</think>')[-1] %}"
+    "{% endif %}{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""A reasoning-model style template: earlier turns are rendered without their thinking (history rewritten)."""
+
+
+def _segment_text(tok: ChatTokenizer, tr: Transcript, k: int) -> str:
+    a, b = tr.segments[k]
+    return tok.decode(tr.ids[a:b], skip_special_tokens=False)
+
+
+def test_drift_starts_a_new_segment(tok: SpyTokenizer, model_dir: str) -> None:
+    """A template that trims assistant content does not extend the sampled text: the turn's ids stay verbatim and
+    the next context is the template's re-rendering of the whole conversation, as a new segment (mask 0)."""
     trimming = tok.template_source.replace("message['content']", "message['content'] | trim")
-    tr = Transcript(TurnTemplate(ChatTokenizer(model_dir, chat_template=trimming)), [{"role": "user", "content": "x"}])
+    reference = ChatTokenizer(model_dir, chat_template=trimming)
+    prompt = [{"role": "user", "content": "x"}]
+    tr = Transcript(TurnTemplate(reference), prompt)
     ids = sample(tok, "  padded answer  ")
+    start = len(tr)
     tr.add_sampled(ids)
     delta = tr.add_observation([{"role": "user", "content": "ok"}], final=False)
-    assert delta.drift == Drift.ASSISTANT_RENDER
-    assert tr.drifts == [Drift.ASSISTANT_RENDER]
-    assert delta.text.endswith("<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n")
-    assert np.array_equal(tr.ids[-len(delta.ids) - len(ids):-len(delta.ids)], ids)
+    assert delta.drift == Drift.ASSISTANT_RENDER and delta.new_segment
+    assert tr.drifts == [(0, Drift.ASSISTANT_RENDER)]
+    assert np.array_equal(tr.ids[start:start + len(ids)], ids)  # the sampled ids stay verbatim
+    conversation = [*prompt, {"role": "assistant", "content": "  padded answer  "}, {"role": "user", "content": "ok"}]
+    rendered = reference.render(conversation, add_generation_prompt=True)
+    assert "padded answer<|im_end|>" in rendered  # trimmed by the template
+    assert tr.segments == [[0, start + len(ids)], [start + len(ids), len(tr)]]
+    assert np.array_equal(tr.context, reference.encode(rendered))
+    assert delta.ids.tolist() == tr.context.tolist() and tr.context_len == len(delta.ids)
+    assert not tr.mask[start + len(ids):].any()
+    # The next turn extends the new segment without drift (its own rendering is already trimmed).
+    tr.add_sampled(sample(tok, "done"))
+    final = tr.add_observation([], final=True)
+    assert final.drift is None and not final.new_segment
+    assert tr.check_results() == [True, True] and tr.verify()
+    assert _segment_text(tok, tr, 1) + tr.closing_text == reference.render(
+        [*conversation, {"role": "assistant", "content": "done"}])
+
+
+def test_reasoning_template_rewrites_history_into_segments(tok: SpyTokenizer, model_dir: str) -> None:
+    """Earlier thinking is dropped by the template: every turn after the first starts a segment whose context has
+    no earlier thinking, each segment decodes to its rendering, and the mask is 1 exactly on sampled ids."""
+    reference = ChatTokenizer(model_dir, chat_template=REASONING)
+    tr = Transcript(TurnTemplate(reference), [{"role": "user", "content": "What is 2 + 2?"}])
+    sampled: list[np.ndarray] = []
+    for t, answer in enumerate(["<think>2 and 2</think>4", "<think>again</think>Still 4", "<think>last</think>4!"]):
+        ids = sample(tok, answer)
+        sampled.append(ids)
+        tr.add_sampled(ids)
+        final = t == 2
+        delta = tr.add_observation([] if final else [{"role": "user", "content": "Sure?"}], final=final)
+        assert delta.new_segment is (not final)
+        assert (delta.drift is None) is final
+    assert [t for t, _ in tr.drifts] == [0, 1]
+    assert len(tr.segments) == 3
+    assert "<think>2 and 2</think>" not in _segment_text(tok, tr, 1)
+    assert "<think>last</think>4!" in _segment_text(tok, tr, 2)
+    assert tr.check_results() == [True, True, True]
+    mask_ids = tr.ids[tr.mask.astype(bool)]
+    assert mask_ids.tolist() == np.concatenate(sampled).tolist()
+
+
+def test_restart_and_window_segments(tok: SpyTokenizer) -> None:
+    """A caller that rewrites the conversation (an agent) or a context window starts a segment per re-render."""
+    tr = Transcript(TurnTemplate(tok), [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}])
+    tr.add_sampled(sample(tok, "first"))
+    rewritten = [{"role": "system", "content": "s"}, {"role": "user", "content": "a, rephrased"}]
+    delta = tr.restart(rewritten)
+    assert delta.new_segment and delta.drift == Drift.HISTORY_REWRITE
+    assert tok.decode(tr.context) == tok.render(rewritten, add_generation_prompt=True)
+    assert tr.messages == rewritten
+    tr.add_sampled(sample(tok, "second"))
+    window = [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}]
+    delta = tr.add_observation([{"role": "user", "content": "b"}], final=False, window=window)
+    assert delta.new_segment and delta.drift == Drift.WINDOW
+    assert tok.decode(tr.context) == tok.render(window, add_generation_prompt=True)
+    assert tr.messages[-1] == {"role": "user", "content": "b"} and len(tr.messages) == 4
+    tr.add_sampled(sample(tok, "third"))
+    tr.add_observation([], final=True)
+    assert len(tr.segments) == 3 and tr.verify()
+    assert [d for _, d in tr.drifts] == [Drift.HISTORY_REWRITE, Drift.WINDOW]
+
+
+def test_verify_catches_ids_that_do_not_decode_to_the_rendering(tok: SpyTokenizer) -> None:
+    tr = Transcript(TurnTemplate(tok), [{"role": "user", "content": "x"}])
+    tr.add_sampled(sample(tok, "fine"))
+    tr.add_observation([], final=True)
+    assert tr.verify()
+    tr._ids[1] = tok.encode(" corrupted")[0]  # a prompt id that is not the template's
+    assert not tr.verify() and tr.check_results() == [False]
 
 
 def test_ids_view_is_stable_across_appends(tok: SpyTokenizer) -> None:

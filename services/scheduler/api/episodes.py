@@ -66,7 +66,7 @@ async def get_trajectory(episode_id: str, state: StateDep, res: ResourcesDep) ->
                     "the recorder assembles it when the episode ends",
                 )
     token_ids = [int(t) for t in traj["token_ids"]]
-    spans = trajectory_spans(len(token_ids), int(traj["prompt_len"]), traj["action_ranges"])
+    spans = trajectory_spans(len(token_ids), int(traj["prompt_len"]), traj["action_ranges"], traj["segments"])
     tokenizer, note = await state.tokenizers.get()
     text: str | None = None
     span_texts: list[str | None] = [None] * len(spans)
@@ -78,6 +78,7 @@ async def get_trajectory(episode_id: str, state: StateDep, res: ResourcesDep) ->
             **traj,
             "token_ids": token_ids,
             "action_ranges": [[int(a), int(b)] for a, b in traj["action_ranges"]],
+            "segments": [[int(a), int(b)] for a, b in traj["segments"]],
             "text": text,
             "spans": [
                 SpanPublic(kind=s.kind, start=s.start, end=s.end, turn_index=s.turn_index, text=t)
