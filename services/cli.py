@@ -139,10 +139,11 @@ def export_cmd(
 
 @app.command()
 def demo(
-    num_tasks: int = typer.Option(8, help="tasks per environment"),
-    group_size: int = typer.Option(4, help="samples per task"),
+    num_tasks: int = typer.Option(4, help="tasks per environment (half as many for the tool env)"),
+    group_size: int = typer.Option(4, help="samples per task (a GRPO group)"),
     out: str = typer.Option("exports", help="export directory"),
-    engine: str = typer.Option("fake", envvar="ROLLOUT_ENGINE", help="inference engine: fake or vllm"),
+    engine: str = typer.Option("vllm", envvar="ROLLOUT_ENGINE",
+                               help="inference engine: vllm (the real model) or fake (zero-cost scripted)"),
 ) -> None:
     """Bring everything up, run a demo batch end to end, print a summary and the export path, and stop."""
     from pathlib import Path

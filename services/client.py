@@ -52,23 +52,33 @@ class SchedulerClient:
     def follow(self, batch_id: str, poll_s: float = 0.5, console: Console | None = None,
                timeout_s: float | None = None) -> dict[str, Any]:
         """Poll the batch with a progress bar until every episode is terminal; return the last status."""
+        return self.follow_all([batch_id], poll_s, console, timeout_s)[0]
+
+    def follow_all(self, batch_ids: list[str], poll_s: float = 0.5, console: Console | None = None,
+                   timeout_s: float | None = None, labels: list[str] | None = None) -> list[dict[str, Any]]:
+        """Poll several batches, one progress bar each, until all are done; return their last statuses."""
         console = console or Console()
         start = time.monotonic()
+        labels = labels or [f"batch {b}" for b in batch_ids]
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=console) as progress:
-            info = self.batch(batch_id)
-            bar = progress.add_task(f"batch {batch_id}", total=info["num_episodes"], detail="")
+            infos = [self.batch(b) for b in batch_ids]
+            bars = [progress.add_task(label, total=info["num_episodes"], detail="")
+                    for label, info in zip(labels, infos, strict=True)]
             while True:
-                counts = info["counts"]
-                done = sum(counts.get(s, 0) for s in TERMINAL)
-                detail = " ".join(f"{k}={v}" for k, v in counts.items() if v)
-                progress.update(bar, completed=done, detail=detail)
-                if info.get("done"):
-                    return info
+                details = []
+                for bar, info in zip(bars, infos, strict=True):
+                    counts = info["counts"]
+                    detail = " ".join(f"{k}={v}" for k, v in counts.items() if v)
+                    details.append(detail)
+                    progress.update(bar, completed=sum(counts.get(s, 0) for s in TERMINAL), detail=detail)
+                if all(info.get("done") for info in infos):
+                    return infos
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
-                    raise TimeoutError(f"batch {batch_id} not done after {timeout_s}s: {detail}")
+                    raise TimeoutError(f"batches {', '.join(batch_ids)} not done after {timeout_s}s: "
+                                       f"{'; '.join(details)}")
                 time.sleep(poll_s)
-                info = self.batch(batch_id)
+                infos = [info if info.get("done") else self.batch(b) for b, info in zip(batch_ids, infos, strict=True)]
 
 
 def print_batch(info: dict[str, Any], console: Console | None = None) -> None:

@@ -1,0 +1,250 @@
+"""Engine efficiency: the whole system versus the same requests straight into the same vLLM engine, and memory.
+
+Issue-3 benchmarks (a) and (c), side by side in one run:
+
+1. **System**: private NATS + Postgres, the scheduler, one env worker, the recorder and one inference worker on
+   vLLM (the real model). One batch of multi-turn episodes (``fixed-turns``: every turn is answered by a user
+   message, so each episode runs exactly ``--turns`` turns) is submitted over REST; the clock runs from the POST
+   to the moment every trajectory is stored in Postgres. The inference worker's process tree (the worker and
+   vLLM's engine-core process) is sampled for memory while it runs.
+2. **Engine alone**: a fresh Python process that imports vLLM and nothing of ours starts ``AsyncLLM`` with the
+   inference worker's engine arguments (``engine_kwargs``, the same CPU defaults and warm-up) and replays the
+   system's requests exactly: every episode's turn contexts (read back from the stored trajectories), the same
+   sampling parameters and seed, all episodes at once and each episode's turns one after another, and every
+   turn forced to the length the system generated (``min_tokens = max_tokens = n``) so both do the same work.
+   Its process tree is sampled the same way.
+
+Reported: generated tokens/s of both and their ratio (target >= 0.95), and the inference worker's memory over
+the bare engine's (RSS and PSS of the process trees, peak; target <= 200 MB).
+
+    python -m bench.engine_efficiency                      # 32 episodes x 4 turns x 32 tokens
+    python -m bench.engine_efficiency --episodes 8 --turns 2 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+
+
+class TreeMemory:
+    """Peak RSS and PSS (MiB) of a process and its children, sampled every ``interval_s`` in a thread."""
+
+    def __init__(self, pid: int, interval_s: float = 0.25) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak_rss = 0.0
+        self.peak_pss = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> tuple[float, float]:
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0, 0.0
+        rss = pss = 0.0
+        for p in procs:
+            try:
+                info = p.memory_full_info()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            rss += info.rss
+            pss += getattr(info, "pss", info.rss)
+        return rss / 2**20, pss / 2**20
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss, pss = self.sample()
+            self.peak_rss = max(self.peak_rss, rss)
+            self.peak_pss = max(self.peak_pss, pss)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> TreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self) -> dict[str, float]:
+        return {"peak_rss_mib": round(self.peak_rss, 1), "peak_pss_mib": round(self.peak_pss, 1)}
+
+
+# --- 1. the system ---------------------------------------------------------------------------------------------
+
+
+def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run the batch through the whole system; return its figures and the requests to replay."""
+    import httpx
+    from sqlalchemy import create_engine, text
+
+    from rollout_ledger.migrations.runner import sync_url
+    from rollout_ledger.services.devstack import DevStack
+
+    env = {"ROLLOUT_VLLM_MAX_MODEL_LEN": str(args.max_model_len), "ROLLOUT_MAX_MODEL_LEN": str(args.max_model_len)}
+    with DevStack(scheduler_port=None, engine="vllm", echo=lambda m: print(m, file=sys.stderr),
+                  extra_env=env) as stack:
+        assert stack.stack is not None
+        worker = next(p for p in stack.stack.procs if p.service == "inference-worker")
+        assert worker.proc is not None
+        http = httpx.Client(base_url=stack.scheduler_url, timeout=30)
+        body = {"env": "fixed-turns", "tasks": [{"turns": args.turns, "seed": i} for i in range(args.episodes)],
+                "group_size": 1, "max_turns": args.turns,
+                "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens, "seed": args.seed}}
+        with TreeMemory(worker.proc.pid) as memory:
+            began = time.perf_counter()
+            resp = http.post("/v1/batches", json=body)
+            resp.raise_for_status()
+            batch_id = resp.json()["batch_id"]
+            while not http.get(f"/v1/batches/{batch_id}").json()["done"]:
+                time.sleep(0.05)
+            wall = time.perf_counter() - began
+        engine = create_engine(sync_url(stack.infra.database_url))
+        with engine.connect() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(text(
+                "select episode_id, status, token_ids, action_ranges, segments, num_sampled_tokens "
+                "from trajectories where batch_id = :b order by episode_id"), {"b": batch_id})]
+            cached, prompt = conn.execute(text(
+                "select coalesce(sum(t.cached_tokens), 0), sum(t.prompt_len) from turns t join episodes e "
+                "on e.id = t.episode_id where e.batch_id = :b and not t.superseded"), {"b": batch_id}).one()
+        engine.dispose()
+    if len(rows) != args.episodes or any(r["status"] == "failed" for r in rows):
+        raise SystemExit(f"the system run did not store {args.episodes} good trajectories: "
+                         f"{[(r['episode_id'], r['status']) for r in rows]}")
+    requests = []
+    for r in rows:
+        ids = list(r["token_ids"])
+        starts = [int(s) for s, _ in r["segments"]]
+        turns = []
+        for a, b in r["action_ranges"]:
+            seg = max(s for s in starts if s <= a)
+            turns.append({"context": ids[seg:a], "generate": int(b) - int(a)})
+        requests.append({"episode_id": r["episode_id"], "turns": turns})
+    tokens = sum(int(r["num_sampled_tokens"]) for r in rows)
+    return {
+        "generated_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "prefix_cache_hit": round(float(cached) / float(prompt), 3) if prompt else None,
+        "inference_worker_memory": memory.report(),
+    }, requests
+
+
+# --- 2. the engine alone (a separate process: vLLM and nothing of ours) -------------------------------------------
+
+
+def run_direct(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "requests.json"
+        out = Path(tmp) / "result.json"
+        spec.write_text(json.dumps({"requests": requests, "model": args.model, "max_model_len": args.max_model_len,
+                                    "temperature": args.temperature, "seed": args.seed}))
+        proc = subprocess.Popen([sys.executable, "-m", "bench.engine_efficiency", "--replay", str(spec),
+                                 "--out", str(out)], cwd=HERE.parent)
+        with TreeMemory(proc.pid) as memory:
+            code = proc.wait()
+        if code != 0:
+            raise SystemExit(f"the engine-alone replay failed with exit code {code}")
+        result: dict[str, Any] = json.loads(out.read_text())
+    result["engine_memory"] = memory.report()
+    return result
+
+
+def replay(spec_path: Path, out_path: Path) -> None:
+    """In the child: start the engine as the inference worker does, replay the requests, write the figures."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    from bench.engine_direct import engine_args_for, start_engine
+
+    spec = json.loads(spec_path.read_text())
+    engine_args = engine_args_for(spec["model"], vllm_max_model_len=spec["max_model_len"])
+
+    async def run() -> dict[str, Any]:
+        llm, start_s = await start_engine(engine_args)
+        generated = 0
+
+        async def episode(index: int, req: dict[str, Any]) -> None:
+            nonlocal generated
+            for t, turn in enumerate(req["turns"]):
+                n = int(turn["generate"])
+                params = vllm.SamplingParams(temperature=spec["temperature"], seed=spec["seed"], max_tokens=n,
+                                             min_tokens=n, logprobs=1, detokenize=False,
+                                             output_kind=vllm.sampling_params.RequestOutputKind.FINAL_ONLY)
+                final = None
+                async for final in llm.generate(TokensPrompt(prompt_token_ids=turn["context"]), params,
+                                                f"{index}-{t}"):
+                    pass
+                generated += len(final.outputs[0].token_ids) if final is not None else 0
+
+        try:
+            began = time.perf_counter()
+            await asyncio.gather(*(episode(i, r) for i, r in enumerate(spec["requests"])))
+            wall = time.perf_counter() - began
+        finally:
+            llm.shutdown()
+        return {"engine": f"vllm {vllm.__version__} on {current_platform.device_type}",
+                "engine_start_s": round(start_s, 2), "generated_tokens": generated, "wall_s": round(wall, 3),
+                "tokens_per_s": round(generated / wall, 1)}
+
+    out_path.write_text(json.dumps(asyncio.run(run())))
+
+
+def main() -> None:
+    from rollout_ledger.shared.settings import default_model_dir
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(default_model_dir()))
+    parser.add_argument("--episodes", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--replay", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.replay is not None:
+        replay(args.replay, args.out)
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    system, requests = run_system(args)
+    direct = run_direct(args, requests)
+    if direct["generated_tokens"] != system["generated_tokens"]:
+        raise SystemExit(f"replay generated {direct['generated_tokens']} tokens, the system "
+                         f"{system['generated_tokens']}: not the same work")
+    worker = system["inference_worker_memory"]
+    bare = direct["engine_memory"]
+    print(json.dumps({
+        "benchmark": "engine_efficiency",
+        "workload": {"episodes": args.episodes, "turns": args.turns, "max_tokens": args.max_tokens,
+                     "temperature": args.temperature, "seed": args.seed, "env": "fixed-turns"},
+        "system": system,
+        "engine_alone": direct,
+        "tokens_per_s_ratio": round(system["tokens_per_s"] / direct["tokens_per_s"], 3),
+        "worker_memory_over_engine_mib": {
+            "rss": round(worker["peak_rss_mib"] - bare["peak_rss_mib"], 1),
+            "pss": round(worker["peak_pss_mib"] - bare["peak_pss_mib"], 1),
+        },
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
