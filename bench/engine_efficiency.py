@@ -118,15 +118,16 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
         engine = create_engine(sync_url(stack.infra.database_url))
         with engine.connect() as conn:
             rows = [dict(r._mapping) for r in conn.execute(text(
-                "select episode_id, status, token_ids, action_ranges, segments, num_sampled_tokens "
-                "from trajectories where batch_id = :b order by episode_id"), {"b": batch_id})]
+                "select t.episode_id, t.status, t.token_ids, t.action_ranges, t.segments, t.num_sampled_tokens, "
+                "e.failure_reason from trajectories t join episodes e on e.id = t.episode_id "
+                "where t.batch_id = :b order by t.episode_id"), {"b": batch_id})]
             cached, prompt = conn.execute(text(
                 "select coalesce(sum(t.cached_tokens), 0), sum(t.prompt_len) from turns t join episodes e "
                 "on e.id = t.episode_id where e.batch_id = :b and not t.superseded"), {"b": batch_id}).one()
         engine.dispose()
     if len(rows) != args.episodes or any(r["status"] == "failed" for r in rows):
         raise SystemExit(f"the system run did not store {args.episodes} good trajectories: "
-                         f"{[(r['episode_id'], r['status']) for r in rows]}")
+                         f"{[(r['episode_id'], r['status'], r['failure_reason']) for r in rows][:4]}")
     requests = []
     for r in rows:
         ids = list(r["token_ids"])
