@@ -189,11 +189,11 @@ def replay(spec_path: Path, out_path: Path) -> None:
                 params = vllm.SamplingParams(temperature=spec["temperature"], seed=spec["seed"], max_tokens=n,
                                              min_tokens=n, logprobs=1, detokenize=False,
                                              output_kind=vllm.sampling_params.RequestOutputKind.FINAL_ONLY)
-                final = None
-                async for final in llm.generate(TokensPrompt(prompt_token_ids=turn["context"]), params,
-                                                f"{index}-{t}"):
-                    pass
-                generated += len(final.outputs[0].token_ids) if final is not None else 0
+                last = None
+                async for out in llm.generate(TokensPrompt(prompt_token_ids=turn["context"]), params,
+                                              f"{index}-{t}"):
+                    last = out
+                generated += len(last.outputs[0].token_ids) if last is not None else 0
 
         try:
             began = time.perf_counter()
