@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import Any
 
 import httpx
 import typer
@@ -90,6 +91,8 @@ def submit(
     temperature: float = typer.Option(1.0),
     max_tokens: int = typer.Option(64, help="new tokens per turn"),
     batch_id: str = typer.Option(None, help="client-supplied id: makes the submission idempotent"),
+    window_turns: int = typer.Option(None, help="context policy: generate each turn from the system message and "
+                                     "the last N turns (each turn its own sample); default: full history"),
     url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
     token: str = typer.Option(None, envvar="ROLLOUT_API_TOKEN", help="bearer token, if the scheduler wants one"),
     wait: bool = typer.Option(True, help="show a progress bar until the batch is done"),
@@ -100,7 +103,8 @@ def submit(
     tasks = load_tasks(tasks_file, task, num_tasks)
     client = SchedulerClient(url, token)
     body = client.submit(env=env, tasks=tasks, group_size=group_size, max_turns=max_turns,
-                         sampling={"temperature": temperature, "max_tokens": max_tokens}, batch_id=batch_id)
+                         sampling={"temperature": temperature, "max_tokens": max_tokens}, batch_id=batch_id,
+                         context=None if window_turns is None else {"policy": "window", "window_turns": window_turns})
     typer.echo(f"batch {body['batch_id']}: {body['num_episodes']} episodes")
     if wait:
         client.follow(body["batch_id"])
@@ -117,24 +121,164 @@ def status(
     print_batch(SchedulerClient(url).batch(batch_id))
 
 
+def _selection(batch: list[str] | None, env: list[str] | None, status: list[str] | None, reward_min: float | None,
+               reward_max: float | None, since: str | None, until: str | None, version: int | None,
+               max_staleness: int | None, complete_groups: bool, drop_uniform: bool, reward: str, advantage: str,
+               adv_epsilon: float, std_normalize: bool) -> Any:
+    import datetime as dt
+
+    from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
+    from rollout_ledger.services.exporter.selection import RewardChoice, Selection
+
+    def when(text: str | None, name: str) -> dt.datetime | None:
+        if not text:
+            return None
+        try:
+            t = dt.datetime.fromisoformat(text)
+        except ValueError as exc:
+            raise typer.BadParameter(f"{name}: not an ISO time: {text!r}") from exc
+        return t if t.tzinfo else t.replace(tzinfo=dt.UTC)
+
+    try:
+        return Selection(
+            batch_ids=tuple(batch or ()), envs=tuple(env or ()), statuses=tuple(status or ()),
+            reward_min=reward_min, reward_max=reward_max, since=when(since, "--since"), until=when(until, "--until"),
+            version=version, max_staleness=max_staleness, complete_groups=complete_groups,
+            drop_uniform=drop_uniform, reward=RewardChoice.parse(reward),
+            advantage=AdvantageSpec(AdvantageKind(advantage), adv_epsilon, std_normalize))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+_BATCH = typer.Option(None, "--batch", help="batch id (repeatable)")
+_ENV = typer.Option(None, "--env", help="environment (repeatable)")
+_STATUS = typer.Option(None, "--status", help="trajectory status: completed, truncated, aborted, failed (repeatable)")
+_RMIN = typer.Option(None, help="minimum reward (inclusive)")
+_RMAX = typer.Option(None, help="maximum reward (inclusive)")
+_SINCE = typer.Option(None, help="recorded at or after this ISO time")
+_UNTIL = typer.Option(None, help="recorded before this ISO time")
+_VERSION = typer.Option(None, help="the trainer's weight version V (staleness window with --max-staleness)")
+_STALE = typer.Option(None, help="keep trajectories sampled at most k versions behind --version")
+_COMPLETE = typer.Option(False, help="only groups whose every episode is terminal with a selected trajectory")
+_UNIFORM = typer.Option(False, help="drop groups whose rewards are all equal")
+
+
 @app.command("export")
 def export_cmd(
-    batch: str = typer.Option(..., help="batch id"),
-    fmt: str = typer.Option("jsonl", "--format", help="jsonl or parquet"),
-    out: str = typer.Option("exports", help="output directory"),
-    database_url: str = typer.Option(None, envvar="DATABASE_URL", help="Postgres DSN"),
+    batch: list[str] = _BATCH,
+    env: list[str] = _ENV,
+    status: list[str] = _STATUS,
+    reward_min: float = _RMIN,
+    reward_max: float = _RMAX,
+    since: str = _SINCE,
+    until: str = _UNTIL,
+    version: int = _VERSION,
+    max_staleness: int = _STALE,
+    complete_groups: bool = _COMPLETE,
+    drop_uniform: bool = _UNIFORM,
+    reward: str = typer.Option("rollout", help="reward to export: rollout (its own) or NAME@VERSION (rescored)"),
+    advantage: str = typer.Option("grpo", help="group advantage: grpo, rloo or none (= the reward)"),
+    adv_epsilon: float = typer.Option(1e-6, help="grpo: added to the group std"),
+    std_normalize: bool = typer.Option(True, help="grpo: divide by the group std"),
+    fmt: str = typer.Option("openrlhf", "--format", help="openrlhf, slime, verl, trl, or parquet/jsonl (full record)"),
+    file_type: str = typer.Option(None, help="parquet (default) or jsonl, for the trainer formats"),
+    unit: str = typer.Option("segment", help="one sample per segment or per turn"),
+    out: str = typer.Option("exports", help="output directory (with --consumer: that consumer's directory)"),
+    name: str = typer.Option(None, help="file name of a one-shot export (default: <first batch>.<format>.<ext>)"),
+    consumer: str = typer.Option(None, help="deliver through this consumer's cursor: each trajectory exactly once"),
+    follow: bool = typer.Option(False, help="with --consumer: keep delivering as trajectories land (Ctrl-C stops)"),
+    start: str = typer.Option("earliest", help="a new consumer starts at the earliest trajectory or the latest"),
+    database_url: str = typer.Option(None, help="Postgres DSN (default: ROLLOUT_EXPORT_DATABASE_URL, DATABASE_URL)"),
 ) -> None:
-    """Write one OpenRLHF-shaped record per trajectory of a batch."""
+    """Export trajectories for a trainer: one file, or a consumer's stream of new ones (--consumer, --follow)."""
+    import signal
+    import threading
     from pathlib import Path
 
-    from rollout_ledger.services.exporter.export import FILE_FORMATS, export_batch
+    from rollout_ledger.services.exporter.export import export, shape_and_file_type
+    from rollout_ledger.services.exporter.records import Unit
+    from rollout_ledger.services.exporter.settings import ExporterSettings
 
-    if fmt not in FILE_FORMATS:
-        raise typer.BadParameter(f"unknown format {fmt!r}; known: {', '.join(FILE_FORMATS)}")
+    settings = ExporterSettings()
+    url = database_url or settings.reader_url()
+    sel = _selection(batch, env, status, reward_min, reward_max, since, until, version, max_staleness,
+                     complete_groups, drop_uniform, reward, advantage, adv_epsilon, std_normalize)
+    try:
+        shape, ext = shape_and_file_type(fmt, file_type)
+        the_unit = Unit(unit)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if follow and not consumer:
+        raise typer.BadParameter("--follow needs --consumer NAME")
+    if not consumer:
+        path = Path(out) / (name or f"{(batch or ['export'])[0]}.{fmt if shape != 'full' else 'full'}.{ext}")
+        result = export(url, sel, path, fmt, file_type, the_unit, chunk=settings.export_chunk)
+        typer.echo(f"{result.records} records -> {result.path}")
+        return
+    from rollout_ledger.services.exporter.follow import Follower
+    from rollout_ledger.shared.errors import RolloutError
+    from rollout_ledger.shared.logging import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format, service="exporter")
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        follower = Follower(url, consumer, sel, Path(out), fmt, file_type, the_unit, settings.export_batch_size,
+                            start)
+        try:
+            res = follower.run(follow, stop, settings.export_poll_s, echo=typer.echo)
+        finally:
+            follower.close()
+    except RolloutError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"consumer {consumer}: {res.records} records in {len(res.files)} files")
+
+
+@app.command()
+def rescore(
+    reward: str = typer.Option(..., help="reward name (a built-in: length_penalty, success; or yours with --fn)"),
+    version: str = typer.Option(None, help="reward version (required with --fn)"),
+    fn: str = typer.Option(None, help="module:function of your reward function"),
+    batch: list[str] = _BATCH,
+    env: list[str] = _ENV,
+    status: list[str] = _STATUS,
+    database_url: str = typer.Option(None, envvar="DATABASE_URL", help="Postgres DSN (needs write on reward_scores)"),
+) -> None:
+    """Score stored trajectories with a named, versioned reward function (export it with --reward NAME@VERSION)."""
+    from rollout_ledger.services.exporter.rewards import RewardError, resolve
+    from rollout_ledger.services.exporter.rewards import rescore as run_rescore
+    from rollout_ledger.services.exporter.selection import Selection
+
     if not database_url:
         raise typer.BadParameter("set DATABASE_URL or pass --database-url")
-    result = export_batch(database_url, batch, Path(out), fmt)
-    typer.echo(f"{result.records} trajectories -> {result.path}")
+    try:
+        rf = resolve(reward, version, fn)
+        res = run_rescore(database_url, rf, Selection(batch_ids=tuple(batch or ()), envs=tuple(env or ()),
+                                                      statuses=tuple(status or ())))
+    except RewardError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{rf.name}@{rf.version}: scored {res.scored}, already scored {res.skipped}")
+
+
+@app.command()
+def envserver(
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+    port: int = typer.Option(8100, help="port to bind"),
+    envs: str = typer.Option("", help="comma-separated built-in envs to serve (default: all)"),
+    state_dir: str = typer.Option(None, help="journal actors here, so a restarted server resumes their episodes"),
+    idle_ttl_s: float = typer.Option(3600.0, help="forget actors idle this long"),
+) -> None:
+    """Serve the built-in environments over the remote actor protocol (reset, get_task_prompt, step)."""
+    from pathlib import Path
+
+    from rollout_ledger.services.envserver.main import serve as serve_envs
+
+    names = [n.strip() for n in envs.split(",") if n.strip()]
+    serve_envs(host, port, names, Path(state_dir) if state_dir else None, idle_ttl_s)
 
 
 @app.command()

@@ -14,6 +14,7 @@ SETTINGS = {
     "env-worker": "rollout_ledger.services.env_worker.settings:EnvWorkerSettings",
     "inference-worker": "rollout_ledger.services.inference_worker.settings:InferenceSettings",
     "recorder": "rollout_ledger.services.recorder.settings:RecorderSettings",
+    "exporter": "rollout_ledger.services.exporter.settings:ExporterSettings",
 }
 
 

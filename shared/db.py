@@ -43,6 +43,7 @@ batches = Table(
     Column("group_size", Integer, nullable=False),
     Column("max_turns", Integer, nullable=False),
     Column("sampling", JSONB, nullable=False),
+    Column("context", JSONB, comment="context policy of every episode (null: full history)"),
     Column("num_tasks", Integer, nullable=False),
     Column("num_episodes", Integer, nullable=False),
     Column("request_hash", String(64), nullable=False, comment="sha256 of the request, for idempotent POSTs"),
@@ -228,3 +229,50 @@ async def check_schema(engine: AsyncEngine) -> None:
 
 def row_dict(row: Any) -> dict[str, Any]:
     return dict(row._mapping)
+
+
+# --- the exporter's tables (migration 0003; the views and the rollout_reader role are created there too) ---
+
+trajectory_feed = Table(
+    "trajectory_feed",
+    metadata,
+    Column("seq", BigInteger, primary_key=True, autoincrement=True, comment="insert order within a transaction"),
+    Column("xid", BigInteger, nullable=False,
+           comment="pg_current_xact_id() of the writing transaction: readers take only xid < snapshot xmin"),
+    Column("episode_id", String(128), nullable=False),
+    Column("attempt", Integer, nullable=False, comment="the trajectory version this entry announces"),
+    Column("group_id", String(160), nullable=False),
+    Column("batch_id", String(128), nullable=False),
+    Column("logged_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_trajectory_feed_position", "xid", "seq"),
+    Index("ix_trajectory_feed_group", "group_id"),
+    comment="one row per trajectory written or replaced (filled by triggers on trajectories): consumer cursors",
+)
+
+export_cursors = Table(
+    "export_cursors",
+    metadata,
+    Column("consumer", String(128), primary_key=True),
+    Column("xid", BigInteger, nullable=False, server_default=text("0"), comment="position: last feed entry taken"),
+    Column("seq", BigInteger, nullable=False, server_default=text("0")),
+    Column("deliveries", BigInteger, nullable=False, server_default=text("0"),
+           comment="batches delivered (numbers the files of `rollout export --follow`)"),
+    Column("delivered", BigInteger, nullable=False, server_default=text("0"), comment="records delivered"),
+    Column("selection", JSONB, comment="the selection the consumer was last served with"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+reward_scores = Table(
+    "reward_scores",
+    metadata,
+    Column("episode_id", String(128), ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True),
+    Column("reward_name", String(128), primary_key=True),
+    Column("reward_version", String(64), primary_key=True),
+    Column("attempt", Integer, nullable=False, comment="the trajectory attempt that was scored"),
+    Column("score", Float),
+    Column("info", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("scored_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_reward_scores_name", "reward_name", "reward_version"),
+    comment="re-scores of stored trajectories by a named, versioned reward function (rollout rescore)",
+)

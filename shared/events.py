@@ -55,6 +55,20 @@ class SamplingParams(BaseModel):
     """Top-k alternatives to record per token besides the sampled one (0: only the sampled token's)."""
 
 
+class ContextPolicy(BaseModel):
+    """Which part of the conversation each turn of an episode is generated from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: Literal["full", "window"] = "full"
+    """``full``: the whole conversation (one segment per episode unless the template rewrites history);
+    ``window``: the system message and the last ``window_turns`` turns, re-rendered before every turn, so each
+    turn is a segment of its own: its own training sample."""
+    window_turns: int = Field(2, ge=1, le=10000)
+    """Turns a window holds (a turn: the messages before an assistant reply and that reply; the newest
+    messages, which the next reply answers, count as one)."""
+
+
 class FinishReason(enum.StrEnum):
     """Why the engine stopped generating a turn."""
 
@@ -139,6 +153,14 @@ class EpisodeRequested(_Event):
     """Sampling parameters for every turn."""
     max_turns: int = Field(ge=1)
     """Turn budget; reaching it truncates the episode."""
+    context: ContextPolicy | None = None
+    """The batch's context policy; None: full history."""
+    attempt_base: int = Field(0, ge=0)
+    """Attempts of the episode before this work item: 0 from the scheduler; a retried episode's next work item
+    carries the attempt that failed. An env worker runs the item as attempt ``attempt_base`` + its JetStream
+    delivery count, so every attempt (and every event id) stays distinct."""
+    failures: dict[str, int] = Field(default_factory=dict)
+    """Failed attempts so far by failure class (``{"env": 1}``): what the per-class retry budgets count."""
 
 
 class EpisodeStarted(_Event):
@@ -255,6 +277,11 @@ class EpisodeFailed(_Event):
     reason: str
     num_turns: int = Field(0, ge=0)
     retryable: bool = False
+    """The failure may pass (a remote env unreachable, no inference worker, a deadline); a bad task, a 4xx or an
+    engine's refusal is not."""
+    will_retry: bool = False
+    """Another attempt of the episode follows (retryable, and its class's budget was not spent): the recorder
+    stores the attempt's failure and keeps the episode running."""
 
 
 class EpisodeCancelled(_Event):

@@ -29,6 +29,9 @@ INFER_ANY = "rl.infer.any"
 INFER_QUEUE = "inference"
 INFER_HEARTBEAT = "rl.infer.heartbeat"
 """Inference workers announce themselves and their load here every ``heartbeat_s``."""
+INFER_CANCEL = "rl.infer.cancel"
+"""A requester that stops waiting for a turn (its episode's deadline passed) publishes the ``request_id`` here;
+the worker running it aborts it in the engine (core NATS, every worker listens; best effort)."""
 
 
 def infer_worker_subject(worker_id: str) -> str:
@@ -41,6 +44,32 @@ ENVS_BUCKET = "rl_envs"
 """Env name -> description, written by env workers at start; read by the scheduler."""
 CANCEL_BUCKET = "rl_cancelled"
 """Cancelled batch ids, written by the scheduler; watched by env workers."""
+
+_KEY_SAFE = frozenset("-/_.abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+
+
+def env_key(name: str) -> str:
+    """The ``rl_envs`` key of an env name. KV keys allow only ``[-/_=.a-zA-Z0-9]``, so any other character
+    (the ``:`` of ``remote:<name>``) is written ``=XX`` (its UTF-8 bytes in hex, ``=`` itself too); names of
+    safe characters are their own key."""
+    return "".join(c if c in _KEY_SAFE else "".join(f"={b:02X}" for b in c.encode()) for c in name)
+
+
+def env_name_of_key(key: str) -> str:
+    """The env name an ``rl_envs`` key stands for (inverse of ``env_key``)."""
+    if "=" not in key:
+        return key
+    out = bytearray()
+    i = 0
+    while i < len(key):
+        hexpair = key[i + 1:i + 3]
+        if key[i] == "=" and len(hexpair) == 2 and all(c in "0123456789ABCDEFabcdef" for c in hexpair):
+            out.append(int(hexpair, 16))
+            i += 3
+        else:
+            out += key[i].encode()
+            i += 1
+    return out.decode(errors="replace")
 
 # --- advisories ---------------------------------------------------------------------------------
 WORK_MAX_DELIVERIES_ADVISORY = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{WORK_STREAM}.{WORK_CONSUMER}"

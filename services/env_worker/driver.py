@@ -8,6 +8,11 @@ Steps are published without awaiting each ack (through the worker's ``StreamPubl
 cost is a fraction of ``js.publish_async``'s); every pending ack is awaited before the terminal event, and
 the terminal event's ack before the caller acks the work item. A failure of the bus is not an episode
 outcome: ``BusError`` propagates and the caller hands the work item back (a later attempt redoes it).
+
+A failure is an ``EpisodeFailed`` with its class (``env``, ``inference``, ``timeout``); when the failure is
+retryable and the class's budget (``retries.py``) is not spent, the event says ``will_retry`` and the outcome
+carries the next attempt's work item for the caller to publish. ``episode_timeout_s`` bounds reset and turns
+(cancelling whatever is in flight); the terminal event's publication is outside the deadline.
 """
 
 from __future__ import annotations
@@ -16,19 +21,21 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 import structlog
 from nats.js import JetStreamContext
 
+from rollout_ledger.services.env_worker.context import windowed
 from rollout_ledger.services.env_worker.envs import Env, EnvRegistry, UnknownEnvError
 from rollout_ledger.services.env_worker.inference_client import InferenceClient
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
+from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.tokenization import Transcript, TurnTemplate
 from rollout_ledger.shared.bus import msg_id_headers, publish_event
-from rollout_ledger.shared.errors import BusError, InferenceError, TokenizationError
+from rollout_ledger.shared.errors import BusError, EnvError, InferenceError, TokenizationError
 from rollout_ledger.shared.events import (
     EpisodeCancelled,
     EpisodeFailed,
@@ -67,6 +74,10 @@ class DriverDeps:
     publish_timeout_s: float = 10.0
     publisher: StreamPublisher | None = None
     """Publishes the episode's events (its ack timeout is ``publish_timeout_s``); None: ``js`` publishes them."""
+    budgets: RetryBudgets = field(default_factory=RetryBudgets)
+    """Further attempts per failure class (``retries.py``); none by default."""
+    episode_timeout_s: float = 0.0
+    """Deadline of one attempt (reset and turns; not the terminal event's publication); 0: none."""
 
     @property
     def produced_by(self) -> str:
@@ -78,8 +89,12 @@ class Outcome:
     """How an attempt ended; the work item is acked by the caller (the terminal event is on the stream)."""
 
     status: str
-    """``completed``/``truncated``/``aborted``, ``failed`` or ``cancelled`` (the metrics label)."""
+    """``completed``/``truncated``/``aborted``, ``failed``, ``retried`` or ``cancelled`` (the metrics label)."""
     num_turns: int
+    retry: EpisodeRequested | None = None
+    """The work item of the next attempt, when this one failed and its class's budget allows another: the caller
+    publishes it before acking the current one."""
+    failure_class: FailureClass | None = None
 
 
 class EpisodeDriver:
@@ -91,6 +106,10 @@ class EpisodeDriver:
         self.attempt = attempt
         self.ep = item.episode_id
         self.turns = 0
+        """Turns generated in this attempt (the terminal event's ``seq`` is ``2 * turns + 1``)."""
+        self.kept = 0
+        """Turns whose step was published (a failure's ``num_turns``: the turns its partial trajectory holds)."""
+        self._deadline: asyncio.Timeout | None = None
         self.reward = 0.0
         self.transcript: Transcript | None = None
         self.last_worker: str | None = None
@@ -120,17 +139,34 @@ class EpisodeDriver:
                     env = self.deps.envs.create(self.item.env)
                 except UnknownEnvError:
                     return await self._failed(FailureClass.ENV, f"unknown env {self.item.env!r} in this worker")
+                if self.deps.episode_timeout_s <= 0:
+                    return await self._attempt(env)
                 try:
-                    messages = await env.reset(self.item.task)
-                    self.transcript = Transcript(self.deps.template.with_tools(env.tools()), messages)
-                except Exception as exc:  # the env's code: any exception is an env failure
-                    return await self._failed(FailureClass.ENV, f"reset: {type(exc).__name__}: {exc}")
-                await self._started(self.transcript, messages)
-                return await self._turn_loop(env, self.transcript)
+                    async with asyncio.timeout(self.deps.episode_timeout_s) as self._deadline:
+                        return await self._attempt(env)
+                except TimeoutError:
+                    if self._deadline is None or not self._deadline.expired():
+                        raise
+                    # Whatever was in flight (an inference request, an env call) was cancelled with the task.
+                    return await self._failed(
+                        FailureClass.TIMEOUT, f"the attempt ran past its deadline of {self.deps.episode_timeout_s:g}s "
+                        f"({self.turns} turns generated, {self.kept} kept); in-flight requests cancelled",
+                        retryable=True)
             finally:
                 if env is not None:
                     with contextlib.suppress(Exception):
                         await env.close()
+
+    async def _attempt(self, env: Env) -> Outcome:
+        """Reset, the started event and the turns (what the deadline covers)."""
+        try:
+            messages = await env.reset(self.item.task)
+            self.transcript = Transcript(self.deps.template.with_tools(env.tools()), messages)
+        except Exception as exc:  # the env's code: any exception is an env failure
+            return await self._failed(FailureClass.ENV, f"reset: {type(exc).__name__}: {exc}",
+                                      retryable=_env_retryable(exc))
+        await self._started(self.transcript, messages)
+        return await self._turn_loop(env, self.transcript)
 
     async def _turn_loop(self, env: Env, transcript: Transcript) -> Outcome:
         max_turns = self.item.max_turns
@@ -150,9 +186,12 @@ class EpisodeDriver:
                 result = await env.step(action)
                 env_s = time.perf_counter() - started
                 final = result.terminated or result.truncated or result.aborted or t + 1 >= max_turns
-                delta = transcript.add_observation(result.observation, final)
+                view = None if final else windowed(self.item.context, [
+                    *transcript.messages, {"role": "assistant", "content": action}, *result.observation])
+                delta = transcript.add_observation(result.observation, final, window=view)
             except Exception as exc:  # the env's code (or its unrenderable messages): an env failure
-                return await self._failed(FailureClass.ENV, f"step {t}: {type(exc).__name__}: {exc}")
+                return await self._failed(FailureClass.ENV, f"step {t}: {type(exc).__name__}: {exc}",
+                                          retryable=_env_retryable(exc))
             self.deps.metrics.env_step_seconds.observe(env_s)
             self.reward += float(result.reward)
             info = _jsonable(result.info)
@@ -170,6 +209,7 @@ class EpisodeDriver:
                 drift=None if delta.drift is None else delta.drift.value, new_segment=delta.new_segment,
             )
             await self._publish_async(step)
+            self.kept += 1
             if result.aborted:
                 return await self._finished(TrajectoryStatus.ABORTED, "aborted")
             if result.terminated:
@@ -236,6 +276,8 @@ class EpisodeDriver:
             raise BusError(f"step events not acknowledged by the stream: {exc!r}") from exc
 
     async def _terminal(self, event: EpisodeFinished | EpisodeFailed | EpisodeCancelled, status: str) -> Outcome:
+        if self._deadline is not None and not self._deadline.expired():
+            self._deadline.reschedule(None)  # the outcome is decided: its publication is not cut short
         await self._flush()
         await self._publish(event)
         log.info("episode.end", status=status, turns=self.turns, reward=self.reward)
@@ -258,14 +300,28 @@ class EpisodeDriver:
         return await self._terminal(event, status.value)
 
     async def _failed(self, failure_class: FailureClass, reason: str, retryable: bool = False) -> Outcome:
-        log.warning("episode.failed", failure_class=failure_class.value, reason=reason)
+        """The attempt failed; another attempt follows when the failure is retryable and its class's budget allows.
+
+        ``num_turns`` is the turns kept (with their steps): a turn whose step failed is not part of the partial
+        trajectory. ``seq`` still counts every turn generated, so it stays unique within the attempt.
+        """
+        will_retry = self.deps.budgets.allows(self.item, failure_class, retryable)
+        log.warning("episode.failed", failure_class=failure_class.value, reason=reason, will_retry=will_retry)
         event = EpisodeFailed(**self._common(self._end_id, 2 * self.turns + 1), failure_class=failure_class,
-                              reason=reason[:2000], num_turns=self.turns, retryable=retryable)
-        return await self._terminal(event, "failed")
+                              reason=reason[:2000], num_turns=self.kept, retryable=retryable, will_retry=will_retry)
+        outcome = await self._terminal(event, "retried" if will_retry else "failed")
+        retry = self.deps.budgets.next_item(self.item, self.attempt, failure_class) if will_retry else None
+        return replace(outcome, retry=retry, failure_class=failure_class)
 
     async def _cancelled(self) -> Outcome:
         event = EpisodeCancelled(**self._common(self._end_id, 2 * self.turns + 1), num_turns=self.turns)
         return await self._terminal(event, "cancelled")
+
+
+def _env_retryable(exc: Exception) -> bool:
+    """Whether an env failure may pass on another attempt: only when the env says so (``EnvError.retryable``: a
+    remote env unreachable or answering 5xx). A bad task or an env's own exception would fail the same way."""
+    return isinstance(exc, EnvError) and exc.retryable
 
 
 def _jsonable(info: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from nats.aio.subscription import Subscription
 from rollout_ledger.shared.errors import InferenceError, SchemaError
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, decode_as, encode
 from rollout_ledger.shared.logging import get_logger
-from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT
+from rollout_ledger.shared.subjects import INFER_ANY, INFER_CANCEL, INFER_HEARTBEAT
 
 log = get_logger(__name__)
 
@@ -263,6 +263,11 @@ class InferenceClient:
                 reply = await self.request_once(subject, encode(request), worker)
                 self._check_error_reply(reply, subject)
                 turn = decode_as(reply.data, TurnGenerated)
+            except asyncio.CancelledError:
+                # The episode stopped waiting (its deadline passed): let the worker abort the generation.
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(INFER_CANCEL, request.request_id.encode())
+                raise
             except TryFailed as exc:
                 last = exc
                 if worker is not None:

@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 
 from rollout_ledger.services.env_worker.envs import EnvRegistry, builtin_registry
+from rollout_ledger.services.env_worker.envs.remote import RemoteEnvs
 from rollout_ledger.services.env_worker.metrics import build_metrics
+from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.env_worker.worker import EnvWorker
@@ -21,9 +23,11 @@ log = get_logger(__name__)
 SERVICE = "env-worker"
 
 
-def build_envs(settings: EnvWorkerSettings) -> EnvRegistry:
-    """The built-ins, restricted to ``settings.envs`` when it names some."""
+def build_envs(settings: EnvWorkerSettings, remote: RemoteEnvs | None = None) -> EnvRegistry:
+    """The built-ins and the remote envs (``remote:<name>``), restricted to ``settings.envs`` when it names some."""
     envs = builtin_registry()
+    for spec in remote.specs() if remote is not None else []:
+        envs.register(spec)
     names = settings.env_names()
     return envs.only(names) if names else envs
 
@@ -45,14 +49,20 @@ async def run(settings: EnvWorkerSettings, shutdown: Shutdown) -> None:
     health = Health()
     http = HttpServer(ops_app(SERVICE, health, metrics.registry), settings.http_host, settings.http_port)
     await http.start()
-    envs = build_envs(settings)
+    remote = RemoteEnvs.build(settings.remote_endpoints(), settings.remote_config(),
+                              on_retry=metrics.remote_env_retries.inc)
+    envs = build_envs(settings, remote)
     template = TurnTemplate(policy_tokenizer(settings))
+    agents = await AgentRuntime.start(settings)
     nc = await bus.connect(settings.nats_url, name=f"{SERVICE}-{settings.worker_id}",
                            connect_timeout_s=settings.nats_connect_timeout_s)
     try:
-        await EnvWorker(settings, nc, envs, template, metrics, health).run(shutdown)
+        await EnvWorker(settings, nc, envs, template, metrics, health, agents=agents).run(shutdown)
     finally:
         await bus.close(nc)
+        if agents is not None:
+            await agents.stop()
+        await remote.aclose()
         await http.stop()
     log.info("env_worker.stopped")
 

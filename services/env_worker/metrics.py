@@ -20,6 +20,8 @@ class EnvWorkerMetrics:
     inference_retries: Counter
     env_step_seconds: Histogram
     cancelled_batches: Gauge
+    remote_env_retries: Counter
+    attempts_retried: Counter
 
 
 def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics:
@@ -38,4 +40,10 @@ def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics
                                    buckets=_LATENCY_BUCKETS, registry=registry),
         cancelled_batches=Gauge("rollout_cancelled_batches", "Cancelled batch ids this worker knows of",
                                 registry=registry),
+        remote_env_retries=Counter("rollout_remote_env_retries_total",
+                                   "Requests to remote env actors retried after a transport error or a 5xx",
+                                   registry=registry),
+        attempts_retried=Counter("rollout_attempts_retried_total",
+                                 "Failed episode attempts given another attempt, by failure class",
+                                 ["failure_class"], registry=registry),
     )

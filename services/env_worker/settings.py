@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from rollout_ledger.services.env_worker.envs.remote import RemoteConfig, RemoteEndpoint, parse_remote_envs
+from rollout_ledger.shared.events import FailureClass
 from rollout_ledger.shared.settings import BaseServiceSettings
 
 
@@ -45,6 +47,73 @@ class EnvWorkerSettings(BaseServiceSettings):
     rewrites earlier turns: such turns start new segments); empty: the model's template."""
     envs: str = ""
     """Comma-separated environment names this worker runs and registers; empty means all built-ins."""
+    agents: str = ""
+    """Agent functions run as envs, ``name=module:function,...``: each ``async def run(task, client)`` gets an
+    ``openai.AsyncOpenAI`` client on its episode's session endpoint and returns the reward (or a dict with
+    ``reward``, ``info``, ``answer``); the name is registered as an env."""
+    agent_timeout_s: float = Field(600.0, ge=0)
+    """Deadline of one agent episode: past it the agent and its in-flight generations are cancelled and the
+    episode fails with class ``timeout``. 0: no deadline (``episode_timeout_s``, when set and nearer, applies)."""
+    session_host: str = "127.0.0.1"
+    """Interface of the OpenAI-compatible session endpoint (``/sessions/{episode_id}/v1``); started only when
+    ``agents`` names some."""
+    session_port: int = Field(0, ge=0, le=65535)
+    """Port of the session endpoint; 0 picks a free one."""
+    session_url: str = ""
+    """Base URL agents are given for the session endpoint (``http://host:port``); empty: this worker's
+    ``session_host`` (loopback when it binds all interfaces) and bound port."""
+
+    remote_envs: str = ""
+    """Remote environment actors, ``name=http://host:port,...``: each is registered as the env ``remote:<name>``
+    and served at ``http://host:port/<name>/{env_id}/...`` (the protocol of services/env_worker/envs/remote.py;
+    ``rollout envserver`` is a reference server)."""
+    remote_timeout_s: float = Field(10.0, gt=0)
+    """Timeout of one request to a remote env."""
+    remote_retries: int = Field(4, ge=0)
+    """Further requests after a transport error or a 5xx from a remote env (a 4xx is never retried); then the
+    attempt fails with class ``env``."""
+    remote_backoff_s: float = Field(0.2, ge=0)
+    """Pause before the first retry of a remote env request; doubled before each further one, 50-100 % jitter."""
+    remote_backoff_max_s: float = Field(5.0, ge=0)
+    """Longest pause between retries of a remote env request."""
+    remote_concurrency: int = Field(64, ge=1)
+    """Actors (episodes) alive at once per remote env; further episodes wait for a free one."""
+    remote_startup_jitter_s: float = Field(0.5, ge=0)
+    """The first wave of actors of a remote env waits a random delay up to this before its reset."""
+    retry_env: int = Field(1, ge=0)
+    """More attempts of an episode after a retryable ``env`` failure (a remote env unreachable or answering 5xx,
+    an env raising ``EnvError(retryable=True)``); a bad task, a 4xx or an env's own exception is not retried."""
+    retry_inference: int = Field(0, ge=0)
+    """More attempts after an ``inference`` failure that is retryable (no worker produced the turn within
+    ``inference_max_tries``); an engine refusing the request is not retried. 0 by default: each turn already
+    gets ``inference_max_tries`` tries, on other workers when there are."""
+    retry_agent: int = Field(0, ge=0)
+    """More attempts after an ``agent`` failure (user agent code raised)."""
+    retry_timeout: int = Field(0, ge=0)
+    """More attempts after a ``timeout`` failure (the episode ran past ``episode_timeout_s``)."""
+    episode_timeout_s: float = Field(0.0, ge=0)
+    """Deadline of one attempt of an environment's episode (reset and turns: env and inference time together);
+    past it the awaited call is cancelled (an inference request is aborted in the engine) and the attempt fails
+    with class ``timeout``. 0: no deadline. Agent functions have ``agent_timeout_s``."""
+
+    @field_validator("remote_envs")
+    @classmethod
+    def _check_remote_envs(cls, v: str) -> str:
+        parse_remote_envs(v)  # ValueError names the bad entry
+        return v
 
     def env_names(self) -> list[str]:
         return [name.strip() for name in self.envs.split(",") if name.strip()]
+
+    def remote_endpoints(self) -> list[RemoteEndpoint]:
+        return parse_remote_envs(self.remote_envs)
+
+    def remote_config(self) -> RemoteConfig:
+        return RemoteConfig(timeout_s=self.remote_timeout_s, retries=self.remote_retries,
+                            backoff_s=self.remote_backoff_s, backoff_max_s=self.remote_backoff_max_s,
+                            concurrency=self.remote_concurrency, startup_jitter_s=self.remote_startup_jitter_s)
+
+    def retry_budgets(self) -> dict[FailureClass, int]:
+        """More attempts allowed per failure class (``infra`` is JetStream's ``max_deliver``, not counted here)."""
+        return {FailureClass.ENV: self.retry_env, FailureClass.INFERENCE: self.retry_inference,
+                FailureClass.AGENT: self.retry_agent, FailureClass.TIMEOUT: self.retry_timeout}

@@ -297,13 +297,18 @@ class Transcript:
         return Delta(text=segment.text, ids=segment.ids, drift=drift,
                      rendered_chars=delta.rendered_chars + segment.rendered_chars, new_segment=True)
 
-    def restart(self, messages: Sequence[Message], drift: Drift = Drift.HISTORY_REWRITE) -> Delta:
+    def restart(self, messages: Sequence[Message], drift: Drift = Drift.HISTORY_REWRITE,
+                template: TurnTemplate | None = None) -> Delta:
         """The pending turn is followed by ``messages``, a conversation the caller rewrote (it does not extend the
-        previous one plus the sampled turn): re-render it with the generation prompt as a new segment."""
+        previous one plus the sampled turn): re-render it with the generation prompt as a new segment.
+        ``template``: render the new segment (and what follows) with it, e.g. other tools (the closing segment is
+        still checked with the template it was rendered with)."""
         if self._pending is None:
             raise TokenizationError("restart() without a sampled turn before it")
         turn = self._turns
         self._check_closing_segment()
+        if template is not None:
+            self.template, self.tokenizer = template, template.tokenizer
         self._pending = None
         self._turns += 1
         self.messages = list(messages)

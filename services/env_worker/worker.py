@@ -16,6 +16,8 @@ from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
 from rollout_ledger.services.env_worker.envs import EnvRegistry
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
+from rollout_ledger.services.env_worker.retries import RetryBudgets
+from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.shared import bus
@@ -24,7 +26,7 @@ from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
 from rollout_ledger.shared.logging import get_logger
 from rollout_ledger.shared.publisher import StreamPublisher
 from rollout_ledger.shared.runtime import Health, Shutdown, sleep_or_shutdown
-from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_CONSUMER, WORK_STREAM, WORK_SUBJECT
+from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_CONSUMER, WORK_STREAM, WORK_SUBJECT, env_key
 
 log = get_logger(__name__)
 
@@ -36,15 +38,17 @@ async def register_envs(js: JetStreamContext, envs: EnvRegistry, worker_id: str)
     """Put one key per env into the ``rl_envs`` bucket (the scheduler's list of known envs)."""
     kv = await js.key_value(ENVS_BUCKET)
     for spec in envs.specs():
-        await kv.put(spec.name, dumps(spec.advert(registered_by=worker_id)))
+        await kv.put(env_key(spec.name), dumps(spec.advert(registered_by=worker_id)))
 
 
 class EnvWorker:
     """Runs episodes from the work queue with at most ``settings.concurrency`` in flight."""
 
     def __init__(self, settings: EnvWorkerSettings, nc: NATS, envs: EnvRegistry, template: TurnTemplate,
-                 metrics: EnvWorkerMetrics, health: Health) -> None:
+                 metrics: EnvWorkerMetrics, health: Health, agents: AgentRuntime | None = None) -> None:
         self.settings = settings
+        self.agents = agents
+        """Agent functions run as envs (their episodes talk to the policy through the session endpoint)."""
         self.nc = nc
         self.js = nc.jetstream()
         self.envs = envs
@@ -73,7 +77,9 @@ class EnvWorker:
         return DriverDeps(js=self.js, client=self.client, envs=self.envs, template=self.template,
                           is_cancelled=self.cancels.is_cancelled, metrics=self.metrics,
                           worker_id=self.settings.worker_id, max_model_len=self.settings.max_model_len,
-                          publish_timeout_s=self.settings.publish_timeout_s, publisher=self.publisher)
+                          publish_timeout_s=self.settings.publish_timeout_s, publisher=self.publisher,
+                          budgets=RetryBudgets(self.settings.retry_budgets()),
+                          episode_timeout_s=self.settings.episode_timeout_s)
 
     async def run(self, shutdown: Shutdown) -> None:
         """Set up, take work until ``shutdown``, then drain."""
@@ -81,6 +87,8 @@ class EnvWorker:
         await bus.ensure_topology(self.js, s.stream_replicas)
         await bus.ensure_consumer(self.js, bus.work_consumer_spec(s.ack_wait_s, s.max_deliver, s.max_ack_pending))
         await register_envs(self.js, self.envs, s.worker_id)
+        if self.agents is not None:
+            await self.agents.register(self.js, s.worker_id)
         await self.cancels.start(self.js)
         await self.publisher.start()
         await self.client.start()
@@ -137,11 +145,17 @@ class EnvWorker:
             with contextlib.suppress(Exception):
                 await msg.term()
             return
-        attempt = bus.delivery_attempt(msg)
+        attempt = item.attempt_base + bus.delivery_attempt(msg)
         self.metrics.episodes_in_flight.inc()
         try:
             async with bus.keep_in_progress(msg, self.settings.ack_wait_s / 3):
-                outcome = await EpisodeDriver(deps, item, attempt).run()
+                agent = self.agents.driver(deps, item, attempt) if self.agents is not None else None
+                outcome = await (agent or EpisodeDriver(deps, item, attempt)).run()
+                if outcome.retry is not None:
+                    # The next attempt's work item goes on the queue before this one is acked (retries.py); if
+                    # the publish fails, the handed-back item's redelivery runs that attempt instead.
+                    await bus.publish_event(self.js, outcome.retry, timeout=self.settings.publish_timeout_s)
+                    self.metrics.attempts_retried.labels(failure_class=str(outcome.failure_class)).inc()
             await msg.ack_sync(timeout=self.settings.publish_timeout_s)
             self.metrics.episodes_total.labels(status=outcome.status).inc()
         except asyncio.CancelledError:

@@ -15,7 +15,9 @@ Errors are answered, not raised: the reply carries headers ``Rollout-Error`` (cl
 ``Rollout-Retryable`` (``true``/``false``) with the message as body. Over ``max_inflight`` a request is
 answered ``Overloaded`` (retryable) at once. A heartbeat every ``heartbeat_s`` announces the worker's subject,
 load, weight version and whether it is draining. ``drain`` stops taking work, lets in-flight requests finish
-within a deadline and aborts the rest (answered retryable, so the requester tries another worker).
+within a deadline and aborts the rest (answered retryable, so the requester tries another worker). A requester
+that stops waiting (its episode's deadline passed) publishes the request id on ``INFER_CANCEL``; the worker
+running it aborts it in the engine, so no turn is generated or recorded for it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from rollout_ledger.shared.errors import InferenceError, RolloutError, SchemaErr
 from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
 from rollout_ledger.shared.logging import get_logger
 from rollout_ledger.shared.publisher import StreamPublisher
-from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
+from rollout_ledger.shared.subjects import INFER_ANY, INFER_CANCEL, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
 
 log = get_logger(__name__)
 
@@ -101,6 +103,7 @@ class InferenceServer:
         await self.publisher.start()
         self._subs.append(await self.nc.subscribe(self.identity.subject, cb=self._on_request))
         self._subs.append(await self.nc.subscribe(INFER_ANY, queue=INFER_QUEUE, cb=self._on_request))
+        self._subs.append(await self.nc.subscribe(INFER_CANCEL, cb=self._on_cancel))
         await self.heartbeat()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
         log.info("inference.serving", subject=self.identity.subject, engine=self.engine.name,
@@ -170,6 +173,13 @@ class InferenceServer:
         self.metrics.inflight.set(len(self._tasks))
         task.add_done_callback(self._done)
 
+    async def _on_cancel(self, msg: Msg) -> None:
+        """The requester stopped waiting for a request (a deadline): abort it if it runs here."""
+        request_id = msg.data.decode(errors="replace")
+        if request_id in self._active:
+            log.info("inference.cancelled_by_requester", request_id=request_id)
+            await self.engine.abort(request_id)
+
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self.metrics.inflight.set(len(self._tasks))
@@ -218,7 +228,8 @@ class InferenceServer:
         if generation.finish_reason == FinishReason.ABORT:
             metrics.outcome["aborted"].inc()
             await self._reply_error(msg, InferenceError.__name__, True,
-                                    f"request {request.request_id} aborted (worker {self.identity.worker_id} draining)")
+                                    f"request {request.request_id} aborted by worker {self.identity.worker_id} "
+                                    "(draining, or its requester cancelled it)")
             return
         prompt_len = int(request.prompt_token_ids.shape[0])
         event = TurnGenerated(

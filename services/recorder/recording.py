@@ -13,6 +13,11 @@ rows are stored and marked superseded): the prompt of such an attempt is not sto
 assembled exactly, and a finished rollout is never replaced by a later attempt's failure. The trajectory
 upsert itself only ever replaces a trajectory from a higher attempt.
 
+Failures. Every ``EpisodeFailed`` becomes a row of ``attempt_failures`` (class, reason, whether another attempt
+followed), written up front and idempotent on its event id; a failure the recorder decides itself (an episode
+it cannot assemble) adds a row of class ``infra``. An ``EpisodeFailed`` with ``will_retry`` changes nothing
+else: the episode stays running (or requested) until a later attempt ends it.
+
 Rewards. A finished trajectory carries ``EpisodeFinished.reward``. A failed one carries NULL: the environment
 never produced its final score, and a partial sum of step rewards would look like a real return to a trainer's
 group normalisation. Step rewards stay in ``steps`` for whoever wants partial returns.
@@ -41,7 +46,7 @@ from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus
 from rollout_ledger.shared.logging import get_logger
 
 from .assembly import Incomplete, StepRecord, TurnRecord, assemble, pair_records
-from .store import DeadLetter, EpisodeRow, Finish, TrajectoryWrite, Tx
+from .store import AttemptFailure, DeadLetter, EpisodeRow, Finish, TrajectoryWrite, Tx
 
 log = get_logger(__name__)
 
@@ -132,6 +137,7 @@ async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome
             changed.add(ev.episode_id)
 
     await tx.add_dead_letters(letters)
+    await tx.add_attempt_failures([_failure_row(ev) for _, ev in terminals if isinstance(ev, EpisodeFailed)])
     started.sort(key=lambda p: (p[1].episode_id, batch[p[0]].stream_seq))
     await tx.apply_started([e for _, e in started])
     await tx.insert_turns(list(turns.values()))
@@ -179,11 +185,18 @@ def _rounds(terminals: list[tuple[int, TerminalEvent]]) -> list[list[tuple[int, 
     return rounds
 
 
+def _failure_row(ev: EpisodeFailed) -> AttemptFailure:
+    return AttemptFailure(ev.event_id, ev.episode_id, ev.batch_id, ev.attempt, str(ev.failure_class), ev.reason,
+                          ev.will_retry, ev.time)
+
+
 @dataclass
 class _Writes:
     """The writes decided for one round of terminal events, issued together."""
 
     letters: list[DeadLetter] = field(default_factory=list)
+    failures: list[AttemptFailure] = field(default_factory=list)
+    """Failures the recorder decided (``infra``), besides the ``EpisodeFailed`` events written up front."""
     trajectories: list[TrajectoryWrite] = field(default_factory=list)
     finishes: list[Finish] = field(default_factory=list)
 
@@ -197,6 +210,7 @@ async def _terminals(tx: Tx, batch: list[Delivery], round_: list[tuple[int, Term
         ep = eps.get(ev.episode_id)
         if (ep is not None and ep.status not in TERMINAL and ev.attempt >= ep.attempt
                 and not isinstance(ev, EpisodeCancelled) and ep.attempt == ev.attempt
+                and not (isinstance(ev, EpisodeFailed) and ev.will_retry)
                 and ep.prompt_token_ids is not None):
             wanted.append((ev.episode_id, ev.attempt, ev.num_turns))
     records = await tx.attempt_records(wanted)
@@ -204,6 +218,7 @@ async def _terminals(tx: Tx, batch: list[Delivery], round_: list[tuple[int, Term
     for i, ev in round_:
         out.actions[i] = _terminal(batch[i], ev, eps.get(ev.episode_id), records.get(ev.episode_id), policy, out, w)
     await tx.add_dead_letters(w.letters)
+    await tx.add_attempt_failures(w.failures)
     out.trajectories += await tx.upsert_trajectories(w.trajectories)
     await tx.finish_episodes(w.finishes)
 
@@ -215,6 +230,8 @@ def _fail_episode(d: Delivery, ev: TerminalEvent, reason: str, reason_class: str
     out.dead_letters[reason_class] += 1
     w.finishes.append(Finish(ev.episode_id, EpisodeStatus.FAILED, ev.attempt, ev.time, num_turns=ev.num_turns,
                              failure_class=str(FailureClass.INFRA), failure_reason=reason))
+    w.failures.append(AttemptFailure(f"{ev.event_id}:recorder", ev.episode_id, ev.batch_id, ev.attempt,
+                                     str(FailureClass.INFRA), reason, False, ev.time))
     log.error("recorder.episode_failed_by_recorder", episode_id=ev.episode_id, attempt=ev.attempt, reason=reason)
     return Action.ACK
 
@@ -241,6 +258,11 @@ def _terminal(d: Delivery, ev: TerminalEvent, ep: EpisodeRow | None,
         return Action.TERM
     if ep.status in TERMINAL or ev.attempt < ep.attempt:
         # Replay, a stale attempt, or an attempt that started after the episode ended: nothing to change.
+        return Action.ACK
+
+    if isinstance(ev, EpisodeFailed) and ev.will_retry:
+        # Another attempt follows: the failure is in attempt_failures; the episode stays where it is (running,
+        # or requested when the attempt failed before it started) until an attempt ends it.
         return Action.ACK
 
     if isinstance(ev, EpisodeCancelled):

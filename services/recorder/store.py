@@ -100,6 +100,21 @@ class Finish:
 
 
 @dataclass(frozen=True)
+class AttemptFailure:
+    """One row of ``attempt_failures``: a failed attempt, its class and reason, and whether another followed."""
+
+    event_id: str
+    """The ``EpisodeFailed`` event (or ``{event id}:recorder`` for a failure the recorder decided)."""
+    episode_id: str
+    batch_id: str
+    attempt: int
+    failure_class: str
+    reason: str
+    retried: bool
+    produced_at: datetime
+
+
+@dataclass(frozen=True)
 class TrajectoryWrite:
     """One trajectory upsert of ``Tx.upsert_trajectories``."""
 
@@ -170,6 +185,18 @@ class Tx:
                 "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (source, stream_seq) DO NOTHING",
                 [(d.source, d.subject, d.stream_seq, d.reason, d.payload,
                   Jsonb(d.headers) if d.headers is not None else None) for d in letters],
+            )
+
+    async def add_attempt_failures(self, rows: Sequence[AttemptFailure]) -> None:
+        """One row per failed attempt; a replayed event (same ``event_id``) adds nothing."""
+        if not rows:
+            return
+        async with self.pg.cursor() as cur:
+            await cur.executemany(
+                "INSERT INTO attempt_failures (event_id, episode_id, batch_id, attempt, failure_class, reason, "
+                "retried, produced_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (event_id) DO NOTHING",
+                [(r.event_id, r.episode_id, r.batch_id, r.attempt, r.failure_class, r.reason, r.retried,
+                  r.produced_at) for r in rows],
             )
 
     async def dead_letter_payload(self, source: str, stream_seq: int) -> bytes | None:

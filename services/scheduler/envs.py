@@ -11,15 +11,15 @@ from nats.js.kv import KeyValue
 from rollout_ledger.services.scheduler.schemas import EnvPublic
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.logging import get_logger
-from rollout_ledger.shared.subjects import ENVS_BUCKET
+from rollout_ledger.shared.subjects import ENVS_BUCKET, env_key, env_name_of_key
 
 log = get_logger(__name__)
 
 
 async def env_names(kv: KeyValue) -> list[str]:
-    """Names of the registered envs, sorted."""
+    """Names of the registered envs, sorted (``remote:<name>`` included: keys are decoded, see ``env_key``)."""
     try:
-        return sorted(await kv.keys())
+        return sorted(env_name_of_key(k) for k in await kv.keys())
     except NoKeysError:
         return []
     except Exception as exc:  # nats-py timeouts and connection errors share no base class
@@ -28,7 +28,7 @@ async def env_names(kv: KeyValue) -> list[str]:
 
 async def is_registered(kv: KeyValue, name: str) -> bool:
     try:
-        entry = await kv.get(name)
+        entry = await kv.get(env_key(name))
     except KeyNotFoundError:  # also a deleted key
         return False
     except Exception as exc:  # see env_names
@@ -41,7 +41,7 @@ async def list_envs(kv: KeyValue) -> list[EnvPublic]:
     out: list[EnvPublic] = []
     for name in await env_names(kv):
         try:
-            entry = await kv.get(name)
+            entry = await kv.get(env_key(name))
         except KeyNotFoundError:
             continue  # removed meanwhile
         except Exception as exc:  # see env_names

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from rollout_ledger.services.scheduler.schemas import BatchCreate
-from rollout_ledger.shared.events import EpisodeRequested, SamplingParams
+from rollout_ledger.shared.events import ContextPolicy, EpisodeRequested, SamplingParams
 
 
 def new_batch_id() -> str:
@@ -32,8 +32,9 @@ def requested_event_id(ep_id: str) -> str:
 
 
 def canonical_request(req: BatchCreate) -> bytes:
-    """The request as canonical JSON (sorted keys, defaults filled in, without ``batch_id``)."""
-    body = req.model_dump(mode="json", exclude={"batch_id"})
+    """The request as canonical JSON (sorted keys, defaults filled in, without ``batch_id``; without ``context``
+    when it is not given, so hashes of requests from before context policies existed do not change)."""
+    body = req.model_dump(mode="json", exclude={"batch_id"} if req.context is not None else {"batch_id", "context"})
     return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
 
 
@@ -97,6 +98,7 @@ class BatchRunSpec:
     group_size: int
     max_turns: int
     sampling: SamplingParams
+    context: ContextPolicy | None = None
 
 
 def work_item(ep: PlannedEpisode, spec: BatchRunSpec, produced_by: str) -> EpisodeRequested:
@@ -115,4 +117,5 @@ def work_item(ep: PlannedEpisode, spec: BatchRunSpec, produced_by: str) -> Episo
         group_size=spec.group_size,
         sampling=spec.sampling,
         max_turns=spec.max_turns,
+        context=spec.context,
     )

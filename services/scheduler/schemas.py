@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_ledger.shared.events import SamplingParams
+from rollout_ledger.shared.events import ContextPolicy, SamplingParams
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -29,6 +29,9 @@ class BatchBase(BaseModel):
     """Sampling parameters for every turn."""
     max_turns: int = Field(1, ge=1, le=10000)
     """Turn budget per episode; reaching it truncates the episode."""
+    context: ContextPolicy | None = None
+    """Context policy: ``{"policy": "full"}`` (default) or ``{"policy": "window", "window_turns": N}`` (system
+    message + last N turns, each turn its own training sample)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Free-form client data stored with the batch."""
 

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode
 from rollout_ledger.shared.db import batches, episodes, row_dict, steps, trajectories, turns
 from rollout_ledger.shared.errors import StoreError
-from rollout_ledger.shared.events import SamplingParams
+from rollout_ledger.shared.events import ContextPolicy, SamplingParams
 from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus, allowed_sources
 
 FINISHED = (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED, EpisodeStatus.ABORTED)
@@ -146,6 +146,7 @@ async def unpublished(
         select(
             episodes.c.id, episodes.c.batch_id, episodes.c.group_id, episodes.c.task_index, episodes.c.group_index,
             episodes.c.env, episodes.c.task, batches.c.group_size, batches.c.max_turns, batches.c.sampling,
+            batches.c.context,
         )
         .join(batches, batches.c.id == episodes.c.batch_id)
         .where(episodes.c.status == str(EpisodeStatus.REQUESTED), episodes.c.published_at.is_(None))
@@ -163,7 +164,8 @@ async def unpublished(
     for r in await conn.execute(query):
         spec = specs.get(r.batch_id)
         if spec is None:
-            spec = BatchRunSpec(r.env, r.group_size, r.max_turns, SamplingParams.model_validate(r.sampling))
+            context = ContextPolicy.model_validate(r.context) if r.context is not None else None
+            spec = BatchRunSpec(r.env, r.group_size, r.max_turns, SamplingParams.model_validate(r.sampling), context)
             specs[r.batch_id] = spec
         out.append(
             (PlannedEpisode(r.id, r.batch_id, r.group_id, r.task_index, r.group_index, r.env, r.task), spec)

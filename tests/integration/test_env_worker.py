@@ -261,7 +261,8 @@ async def test_env_failures(stack: Stack, nc: bus.NATS, policy: Policy) -> None:
         await bus.publish_event(js, item)
     failed = await terminal_of(js, faulty.episode_id)
     assert failed.type == "episode.failed" and failed.failure_class == "env"
-    assert "InjectedEnvFault" in failed.reason and failed.num_turns == 2 and failed.seq == 5
+    # turn 1 was generated (seq 3) but its step failed: the partial trajectory keeps turn 0 only
+    assert "InjectedEnvFault" in failed.reason and failed.num_turns == 1 and failed.seq == 5
     events = await episode_events(js, faulty.episode_id)
     assert [e.type for e in sorted(events, key=lambda e: e.seq)] == [
         "episode.started", "turn.generated", "step.completed", "turn.generated", "episode.failed"]

@@ -91,6 +91,7 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
             "group_size": body.group_size,
             "max_turns": body.max_turns,
             "sampling": body.sampling.model_dump(mode="json"),
+            "context": body.context.model_dump(mode="json") if body.context is not None else None,
             "num_tasks": len(body.tasks),
             "num_episodes": num_episodes,
             "request_hash": rhash,
@@ -111,7 +112,7 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
 
         state.metrics.batches_submitted.inc()
         state.metrics.episodes_submitted.inc(num_episodes)
-        spec = BatchRunSpec(body.env, body.group_size, body.max_turns, body.sampling)
+        spec = BatchRunSpec(body.env, body.group_size, body.max_turns, body.sampling, body.context)
         published = await res.publisher.publish(planned, spec, source="submit")
         log.info("batch.submitted", env=body.env, num_tasks=len(body.tasks), num_episodes=num_episodes,
                  published=published, insert_ms=round((t1 - t0) * 1000, 1),
@@ -179,6 +180,7 @@ async def get_batch(batch_id: str, res: ResourcesDep) -> BatchPublic:
         group_size=batch["group_size"],
         sampling=batch["sampling"],
         max_turns=batch["max_turns"],
+        context=batch["context"],
         metadata=batch["metadata"],
         num_tasks=batch["num_tasks"],
         num_episodes=batch["num_episodes"],

@@ -1,0 +1,191 @@
+"""Exporter benchmark: 100,000 stored trajectories exported from Postgres, against writing the same arrays
+straight with pyarrow; peak memory of the export process.
+
+Three figures, each in its own process (so peak RSS is that path's own):
+
+- ``export``: `rollout export`'s path (SQL selection with GRPO advantages, server-side cursor, array decoding,
+  record mapping, Arrow conversion, Parquet writing), timed end to end;
+- ``pyarrow-write``: the very table the export produced, already in memory, written with ``pq.write_table``
+  (the cost of writing the arrays and nothing else; the target is export / this >= 0.5 in throughput);
+- ``straight``: the same rows fetched with one plain query (psycopg, binary) and written with pyarrow without the
+  exporter's layers: how much of the export is the database read.
+
+Usage:
+
+    python -m bench.export                      # 100,000 trajectories of 256 tokens, the figures in docs/benchmarks.md
+    python -m bench.export --trajectories 10000 # a quicker run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psycopg
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rollout_ledger.migrations.runner import upgrade
+from rollout_ledger.services.exporter.export import export
+from rollout_ledger.services.exporter.rows import ARRAY_COLUMNS, decode_column
+from rollout_ledger.services.exporter.selection import Selection
+from rollout_ledger.services.exporter.source import libpq_url
+from rollout_ledger.services.localinfra import LocalInfra
+
+PROMPT, TURNS, SAMPLED, OBS = 64, 4, 32, 16
+LENGTH = PROMPT + TURNS * (SAMPLED + OBS)
+
+
+def layout() -> tuple[list[int], list[float], list[int], list[list[int]]]:
+    mask, ranges = [0] * PROMPT, []
+    for _ in range(TURNS):
+        ranges.append([len(mask), len(mask) + SAMPLED])
+        mask += [1] * SAMPLED + [0] * OBS
+    m = np.array(mask)
+    lp = np.where(m == 1, -np.linspace(0.01, 3, LENGTH), 0.0).round(4).tolist()
+    wv = np.where(m == 1, 5, -1).tolist()
+    return mask, lp, wv, ranges
+
+
+def seed(url: str, n: int, group: int = 8) -> float:
+    """n trajectories of LENGTH tokens (64 distinct random token arrays), written server-side."""
+    mask, lp, wv, ranges = layout()
+    t0 = time.perf_counter()
+    with psycopg.connect(libpq_url(url)) as conn:
+        conn.execute("INSERT INTO batches (id, env, group_size, max_turns, sampling, num_tasks, num_episodes, "
+                     "request_hash) VALUES ('bench', 'bench', %s, %s, '{}', %s, %s, 'x')",
+                     (group, TURNS, n // group, n))
+        conn.execute(
+            "INSERT INTO episodes (id, batch_id, group_id, group_index, task_index, env, task, status, attempt, "
+            "reward, num_turns, weight_versions, prompt_text, started_at, finished_at) "
+            "SELECT 'bench.' || (g / %(k)s) || '.' || (g %% %(k)s), 'bench', 'bench.' || (g / %(k)s), g %% %(k)s, "
+            "g / %(k)s, 'bench', jsonb_build_object('seed', g / %(k)s), 'completed', 1, (g %% 3) / 2.0, %(turns)s, "
+            "'{5}', 'a prompt of the benchmark', now(), now() FROM generate_series(0, %(n)s - 1) g",
+            {"k": group, "n": n, "turns": TURNS})
+        conn.execute(
+            "WITH tmpl AS (SELECT k, array(SELECT (random() * 49000)::int + k * 0 FROM generate_series(1, %(len)s)) "
+            "AS tok FROM generate_series(0, 63) k) "
+            "INSERT INTO trajectories (episode_id, batch_id, group_id, env, attempt, status, reward, token_ids, "
+            "loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, num_sampled_tokens, "
+            "num_turns, segments) SELECT e.id, 'bench', e.group_id, 'bench', 1, 'completed', e.reward, t.tok, "
+            "%(mask)s::int2[], %(lp)s::float4[], %(wv)s::int4[], %(ranges)s::int4[], %(prompt)s, %(len)s, "
+            "%(sampled)s, %(turns)s, ARRAY[ARRAY[0, %(len)s]] FROM episodes e "
+            "JOIN tmpl t ON t.k = e.task_index %% 64",
+            {"len": LENGTH, "mask": mask, "lp": lp, "wv": wv, "ranges": ranges, "prompt": PROMPT,
+             "sampled": TURNS * SAMPLED, "turns": TURNS})
+        conn.execute("ANALYZE")
+    return time.perf_counter() - t0
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_export(url: str, out: Path, fmt: str, chunk: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    res = export(url, Selection(), out, fmt, chunk=chunk)
+    return {"seconds": time.perf_counter() - t0, "records": res.records, "bytes": out.stat().st_size,
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def child_write(src: Path, out: Path) -> dict[str, Any]:
+    table = pq.read_table(src)
+    table = table.replace_schema_metadata(None)
+    t0 = time.perf_counter()
+    pq.write_table(table, out)
+    return {"seconds": time.perf_counter() - t0, "records": table.num_rows, "peak_rss_mb": peak_rss_mb()}
+
+
+def child_straight(url: str, out: Path, chunk: int) -> dict[str, Any]:
+    """The same arrays, one plain query, straight into pyarrow (no selection, records or advantages)."""
+    t0 = time.perf_counter()
+    schema = pa.schema([("episode_id", pa.string()), ("reward", pa.float64())]
+                       + [(c, pa.list_(pa.float32() if c == "logprobs" else pa.int32())) for c in ARRAY_COLUMNS])
+    writer = pq.ParquetWriter(str(out), schema)
+    count = 0
+    with psycopg.connect(libpq_url(url)) as conn, conn.transaction(), \
+            conn.cursor(name="straight", binary=True) as cur:
+        cur.execute("SELECT episode_id, reward, " + ", ".join(f"array_send({c})" for c in ARRAY_COLUMNS)
+                    + " FROM trajectories")
+        while rows := cur.fetchmany(chunk):
+            cols: list[pa.Array] = [pa.array([r[0] for r in rows]), pa.array([r[1] for r in rows], pa.float64())]
+            for i, (width, dtype) in enumerate(ARRAY_COLUMNS.values()):
+                arrs = decode_column([r[2 + i] for r in rows], width, dtype)
+                offsets = np.zeros(len(arrs) + 1, np.int32)
+                np.cumsum([len(a) for a in arrs], out=offsets[1:])
+                cols.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(arrs))))
+            writer.write_table(pa.Table.from_arrays(cols, schema=schema))
+            count += len(rows)
+    writer.close()
+    return {"seconds": time.perf_counter() - t0, "records": count, "peak_rss_mb": peak_rss_mb()}
+
+
+def run_child(repeat: int, *args: str) -> dict[str, Any]:
+    """The fastest of ``repeat`` runs of one path, each in a fresh process (peak RSS: the largest seen)."""
+    runs = []
+    for _ in range(repeat):
+        out = subprocess.run([sys.executable, "-m", "bench.export", "--child", *args], check=True,
+                             capture_output=True, text=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    best = min(runs, key=lambda r: r["seconds"])
+    return {**best, "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "all_seconds": [r["seconds"] for r in runs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trajectories", type=int, default=100_000)
+    ap.add_argument("--chunk", type=int, default=500)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each path; the fastest counts (noisy machines)")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        if kind == "export":
+            res = child_export(rest[0], Path(rest[1]), rest[2], args.chunk)
+        elif kind == "write":
+            res = child_write(Path(rest[0]), Path(rest[1]))
+        else:
+            res = child_straight(rest[0], Path(rest[1]), args.chunk)
+        print(json.dumps(res))
+        return
+    n = args.trajectories
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}")
+    with LocalInfra() as infra, tempfile.TemporaryDirectory(prefix="rl-bench-export-") as tmp:
+        url = infra.database_url
+        upgrade(url)
+        secs = seed(url, n)
+        print(f"seeded {n:,} trajectories x {LENGTH} tokens in {secs:.1f}s")
+        d = Path(tmp)
+        results: dict[str, dict[str, Any]] = {}
+        for fmt in ("parquet", "slime"):
+            results[f"export {fmt}"] = run_child(args.repeat, "export", url, str(d / f"{fmt}.parquet"), fmt)
+            results[f"pyarrow-write {fmt}"] = run_child(args.repeat, "write", str(d / f"{fmt}.parquet"),
+                                                        str(d / f"w-{fmt}.parquet"))
+        results["straight"] = run_child(args.repeat, "straight", url, str(d / "straight.parquet"))
+        tokens = n * LENGTH
+        print(f"{'path':<24}{'records':>10}{'seconds':>9}{'traj/s':>10}{'Mtok/s':>8}{'peak RSS MB':>13}")
+        for name, r in results.items():
+            print(f"{name:<24}{r['records']:>10,}{r['seconds']:>9.2f}{n / r['seconds']:>10,.0f}"
+                  f"{tokens / r['seconds'] / 1e6:>8.2f}{r['peak_rss_mb']:>13.0f}   runs: "
+                  + " ".join(f"{x:.2f}" for x in r["all_seconds"]))
+        for fmt in ("parquet", "slime"):
+            ratio = results[f"pyarrow-write {fmt}"]["seconds"] / results[f"export {fmt}"]["seconds"]
+            print(f"throughput ratio export/pyarrow-write ({fmt}): {ratio:.2f} (target >= 0.5)")
+        ratio = results["straight"]["seconds"] / results["export parquet"]["seconds"]
+        print(f"throughput ratio export/straight (full record): {ratio:.2f}")
+        print(f"peak RSS of the export: {max(results[f'export {f}']['peak_rss_mb'] for f in ('parquet', 'slime')):.0f}"
+              " MB (target < 500)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""The OpenAI chat-completions wire format of the session endpoint: request validation, message normalisation,
+and errors in the OpenAI shape (``{"error": {"message", "type", "param", "code"}}``).
+
+Requests are validated here and nowhere else. Fields the SDKs send that change nothing for us (``user``,
+``metadata``, ``parallel_tool_calls``, ``store``, ...) are accepted and ignored; fields that would change the
+sampling in a way the engine cannot honour (``n > 1``, penalties, structured output) are refused with a 400
+that names the field, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Message = dict[str, Any]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    """A request the endpoint answers with an OpenAI-shaped error (4xx for bad input, 404 unknown session)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body OpenAI clients parse (``openai.APIStatusError.body``)."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class FunctionDef(BaseModel):
+    """A function the model may call."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(BaseModel):
+    """One entry of ``tools`` (only ``function`` tools exist in chat completions)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.function.get("name", ""))
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+    """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
+
+
+class ChatRequest(BaseModel):
+    """POST /sessions/{episode_id}/v1/chat/completions (the subset of OpenAI's request we honour)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    """Echoed back; the session's policy answers whatever is named."""
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatRequest:
+        if self.n is not None and self.n != 1:
+            raise ValueError("n: only n=1 is supported (each call is one turn of the episode)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported by the rollout engine (leave it unset or 0)")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs=true")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or ()}
+            if self.tool_choice.name not in names:
+                raise ValueError(f"tool_choice: names {self.tool_choice.name!r}, which is not among the tools")
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice: 'required' needs tools")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template renders them (OpenAI function format), None without tools."""
+        if not self.tools:
+            return None
+        return [t.model_dump(mode="json", exclude_none=True) for t in self.tools]
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the model's text is searched for tool calls (tools given and ``tool_choice`` is not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """The validated request; ``ApiError(400)`` naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or None
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if loc is None and ":" in msg:  # a model-level check names its field first
+            loc = msg.split(":", 1)[0]
+        text = f"{loc}: {msg}" if loc and not msg.startswith(f"{loc}:") else msg
+        raise ApiError(400, text, param=loc) from None
+
+
+def text_content(content: Any, where: str) -> str:
+    """A message's content as text: a string, null (empty) or a list of text parts (concatenated)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text") \
+                    and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"{where}[{i}]: only text content parts are supported, got {kind!r}",
+                               param=f"{where}[{i}]")
+        return "".join(out)
+    raise ApiError(400, f"{where}: content must be a string, null or a list of text parts", param=where)
+
+
+def normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """``tool_calls`` of an assistant message as ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
+    with ``arguments`` a string (an object is dumped as JSON)."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where}: tool_calls must be a list", param=where)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"{where}[{i}]: a tool call needs function.name", param=f"{where}[{i}]")
+        args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def normalize_messages(raw: list[dict[str, Any]]) -> list[Message]:
+    """The request's messages in the canonical form the chat template renders and the session compares.
+
+    ``developer`` becomes ``system``; content is text; an assistant message keeps ``tool_calls`` only when it
+    has some; a ``tool`` message keeps its ``tool_call_id``; ``name`` is kept where given. Anything else a
+    client attaches (``refusal``, ``annotations``, ``audio``: what the SDK dumps from a returned message) is
+    dropped.
+    """
+    out: list[Message] = []
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}",
+                           param=f"{where}.role")
+        norm: Message = {"role": "system" if role == "developer" else role,
+                         "content": text_content(msg.get("content"), f"{where}.content")}
+        if role == "assistant" and msg.get("tool_calls"):
+            norm["tool_calls"] = normalize_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            if msg.get("tool_call_id") is not None:
+                norm["tool_call_id"] = str(msg["tool_call_id"])
+        elif role in ("user", "system") and msg.get("content") is None:
+            raise ApiError(400, f"{where}.content: a {role} message needs content", param=f"{where}.content")
+        if isinstance(msg.get("name"), str):
+            norm["name"] = msg["name"]
+        out.append(norm)
+    return out
+
+
+def same_message(sent: Message, returned: Message) -> bool:
+    """Whether a message the client sent back is the assistant message the endpoint returned.
+
+    Content must be equal (null and "" are the same). Tool calls must have the same ids, names and arguments;
+    arguments are compared as JSON values, since frameworks parse and re-dump them (spacing, key order).
+    """
+    if sent.get("role") != "assistant" or sent.get("content", "") != returned.get("content", ""):
+        return False
+    a, b = sent.get("tool_calls") or [], returned.get("tool_calls") or []
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x["id"] and x["id"] != y["id"]:
+            return False
+        if x["function"]["name"] != y["function"]["name"]:
+            return False
+        if _json_value(x["function"]["arguments"]) != _json_value(y["function"]["arguments"]):
+            return False
+    return True
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -1,0 +1,127 @@
+"""The trainer-side Python API (no torch): a consumer's new trajectories as Arrow tables / numpy, exactly once.
+
+    from rollout_ledger.services.exporter.api import TrajectoryReader, Selection
+
+    with TrajectoryReader(DATABASE_URL, consumer="grpo-run-7", fmt="slime",
+                          selection=Selection(complete_groups=True, statuses=("completed", "truncated"))) as reader:
+        for batch in reader.batches(follow=True):
+            train_step(batch.table)          # or batch.numpy()
+            batch.ack()                      # the cursor advances here, in Postgres
+
+A batch is delivered again until it is acknowledged (a trainer that dies before ``ack()`` gets it again on
+restart), and never after: ``ack()`` is a compare-and-set on the position the batch was read from.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+
+from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
+from rollout_ledger.services.exporter.cursor import CursorError, Cursors, Read
+from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
+from rollout_ledger.services.exporter.selection import RewardChoice, Selection
+from rollout_ledger.services.exporter.source import connect
+from rollout_ledger.services.exporter.writers import to_table
+
+__all__ = ["AdvantageKind", "AdvantageSpec", "Batch", "CursorError", "RewardChoice", "Selection",
+           "TrajectoryReader", "Unit"]
+
+
+@dataclass
+class Batch:
+    """One delivery: its records as an Arrow table; ``ack()`` once trained on."""
+
+    table: pa.Table
+    read: Read
+    _reader: TrajectoryReader = field(repr=False)
+    acked: bool = False
+
+    def __len__(self) -> int:
+        return int(self.table.num_rows)
+
+    def numpy(self) -> dict[str, Any]:
+        """Columns as numpy: scalar columns as arrays, ragged token columns as lists of arrays."""
+        out: dict[str, Any] = {}
+        for name in self.table.column_names:
+            col = self.table.column(name).combine_chunks()
+            if pa.types.is_list(col.type) and pa.types.is_primitive(col.type.value_type):
+                offsets = col.offsets.to_numpy()
+                values = col.values.to_numpy(zero_copy_only=False)
+                out[name] = [values[offsets[i]:offsets[i + 1]] for i in range(len(col))]
+            elif pa.types.is_list(col.type):
+                out[name] = col.to_pylist()
+            else:
+                out[name] = col.to_numpy(zero_copy_only=False)
+        return out
+
+    def ack(self) -> None:
+        """Advance the consumer's cursor past this batch (idempotent)."""
+        if not self.acked:
+            self._reader._ack(self)
+            self.acked = True
+
+
+class TrajectoryReader:
+    """Reads a consumer's feed in batches of at most ``batch_size`` feed entries."""
+
+    def __init__(self, database_url: str, consumer: str, selection: Selection | None = None, fmt: str = "full",
+                 unit: Unit = Unit.SEGMENT, batch_size: int = 256, start: str = "earliest") -> None:
+        if fmt not in SCHEMAS:
+            raise ValueError(f"unknown record shape {fmt!r}; known: {', '.join(SCHEMAS)}")
+        self.sel = selection or Selection()
+        self.shape = fmt
+        self.unit = unit
+        self.batch_size = batch_size
+        self.conn: psycopg.Connection[Any] = connect(database_url)
+        self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        self.cursors = Cursors(self.conn, consumer)
+        self.cursors.claim(start)
+        self._pending: Batch | None = None
+
+    def __enter__(self) -> TrajectoryReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def next_batch(self) -> Batch | None:
+        """The next unacknowledged batch, or None when nothing new is readable."""
+        if self._pending is not None and not self._pending.acked:
+            raise CursorError("acknowledge the previous batch (batch.ack()) before reading the next one")
+        while True:
+            with self.conn.transaction():
+                read = self.cursors.read(self.sel, self.batch_size)
+            if read is None:
+                return None
+            recs = [rec for row in read.rows for rec in records(row, self.shape, self.unit)]
+            if recs:
+                self._pending = Batch(to_table(recs, SCHEMAS[self.shape]), read, self)
+                return self._pending
+            with self.conn.transaction():  # entries that selected nothing: step over them
+                self.cursors.advance(read, 0, delivery=False, sel=self.sel)
+
+    def batches(self, follow: bool = False, poll_s: float = 1.0,
+                stop: threading.Event | None = None) -> Iterator[Batch]:
+        """Batches until nothing is new (or, with ``follow``, until ``stop`` is set)."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            batch = self.next_batch()
+            if batch is None:
+                if not follow:
+                    return
+                stop.wait(poll_s)
+                continue
+            yield batch
+
+    def _ack(self, batch: Batch) -> None:
+        with self.conn.transaction():
+            self.cursors.advance(batch.read, len(batch), delivery=True, sel=self.sel)

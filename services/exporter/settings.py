@@ -1,0 +1,29 @@
+"""Settings of the training exporter: `rollout export` and `rollout rescore` (env vars ``ROLLOUT_<FIELD>``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from rollout_ledger.shared.settings import BaseServiceSettings, normalize_database_url
+
+
+class ExporterSettings(BaseServiceSettings):
+    """How the exporter reads Postgres."""
+
+    export_database_url: str | None = None
+    """DSN the exporter reads with; point it at the read-only role ``rollout_reader`` (docs/sql.md). Unset:
+    ``DATABASE_URL``. `rollout rescore` writes scores and always uses ``DATABASE_URL``."""
+    export_batch_size: int = Field(256, ge=1, le=100_000)
+    """Feed entries per consumer read (`--consumer`): bounds a delivery file and the reader's memory."""
+    export_chunk: int = Field(500, ge=1, le=100_000)
+    """Rows fetched per round trip by a one-shot export (memory is bounded by this, not by the export's size)."""
+    export_poll_s: float = Field(1.0, gt=0)
+    """With `--follow`, how long to wait before reading again when nothing was new."""
+
+    @field_validator("export_database_url")
+    @classmethod
+    def _normalize_export_db(cls, v: str | None) -> str | None:
+        return normalize_database_url(v) if v else None
+
+    def reader_url(self) -> str:
+        return self.export_database_url or self.database_url

@@ -1,0 +1,148 @@
+"""Agent functions as episodes through a real env-worker process (session endpoint, ``openai`` SDK) and a real
+recorder, on real NATS + Postgres, with a scripted policy answering the turns (so the tool calls are exact).
+
+The same agents against the real model through vLLM: tests/e2e/test_agents_vllm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_ledger.services.env_worker.envs.tools import format_call
+from rollout_ledger.services.exporter.records import spans
+from rollout_ledger.services.supervisor import Stack
+from rollout_ledger.shared import bus
+from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.shared.subjects import ENVS_BUCKET
+from tests.agents import AGENTS_SETTING
+from tests.helpers import Sql, wait_for
+from tests.integration.test_env_worker import terminal_of, work_item
+from tests.integration.test_pipeline import check_token_exact
+from tests.integration.test_tool_env import ScriptedPolicy
+
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+@pytest.fixture
+async def policy(nc: bus.NATS, model_dir: str) -> AsyncIterator[ScriptedPolicy]:
+    p = ScriptedPolicy(nc, ChatTokenizer(model_dir))
+    await p.start()
+    yield p
+    await p.stop()
+
+
+def agent_env(**extra: str) -> dict[str, str]:
+    """Settings of an env worker running the test agents (importable from the repository root)."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    agents = f"{AGENTS_SETTING},calculator=examples.agent.calculator:run"  # the README's example too
+    return {"ROLLOUT_AGENTS": agents, "PYTHONPATH": path, "ROLLOUT_ENVS": "fixed-turns", **extra}
+
+
+def check_segments(sql: Sql, episode_id: str) -> dict[str, Any]:
+    """The trajectory's segments cover its ids, each kept turn was generated from exactly its segment so far, and
+    decode == render held for every segment (the env worker's token check)."""
+    tr = sql.rows("select * from trajectories where episode_id = :e", e=episode_id)[0]
+    segs = tr["segments"]
+    assert segs[0][0] == 0 and segs[-1][1] == tr["num_tokens"] and len(segs) == tr["num_segments"]
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(segs))
+    turns = sql.rows("select t.prompt_len from steps s join turns t on t.event_id = s.turn_event_id "
+                     "where s.episode_id = :e and not s.superseded order by s.turn_index", e=episode_id)
+    for (start, _), turn in zip(tr["action_ranges"], turns, strict=True):
+        seg_start = max(a for a, _ in segs if a <= start)
+        assert turn["prompt_len"] == start - seg_start
+    assert tr["token_check"] == "ok", tr
+    return tr
+
+
+async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NATS, policy: ScriptedPolicy,
+                                                       database_url: str) -> None:
+    await asyncio.to_thread(stack.start, "env-worker", "env-worker", **agent_env(ROLLOUT_AGENT_TIMEOUT_S="8"))
+    await asyncio.to_thread(stack.start, "recorder")
+    url = (await asyncio.to_thread(stack.start, "scheduler")).url
+    js = nc.jetstream()
+    kv = await js.key_value(ENVS_BUCKET)
+    advert = (await kv.get("tools")).value
+    assert advert is not None and b'"kind":"agent"' in advert and b"tests.agents:tools" in advert
+
+    scripts: dict[str, tuple[dict[str, Any], list[str]]] = {
+        "plain": ({"question": "What is 2 + 2?", "seed": 1}, ["It is 4.", "Again: 4."]),
+        "streaming": ({"question": "Hello?"}, ["Hi! Ünïcödé 🎲 works.", "Nothing else."]),
+        "tools": ({"a": 2, "b": 3, "few_shot": True},
+                  [f"Let me add. {format_call('add', {'a': 2, 'b': 3})}", "The sum is 5."]),
+        "rewrite": ({"question": "Capital of France?"}, ["Paris is the capital of France.", "Paris."]),
+        "raises": ({"question": "x"}, ["ok"]),
+        "silent": ({"question": "x"}, []),
+        "sleepy": ({"question": "x"}, ["zzz"]),
+        "calculator": ({"question": "What is 17 * 3?", "answer": 51},
+                       [format_call("calculate", {"expression": "17 * 3"}), "17 * 3 = 51.0"]),
+    }
+    items = {}
+    held = work_item("plain", {"question": "held"}, max_turns=4)  # its first generation never returns in time
+    policy.hold = lambda req: req.episode_id == held.episode_id
+    for name, (task, script) in [*scripts.items(), ("held", ({"question": "held"}, ["late"]))]:
+        item = held if name == "held" else work_item(name, task, max_turns=4)
+        policy.scripts[item.episode_id] = script
+        items[name] = item
+        resp = await asyncio.to_thread(httpx.post, f"{url}/v1/batches", timeout=30, json={
+            "env": item.env, "tasks": [task], "max_turns": 4, "batch_id": item.batch_id,
+            "sampling": {"max_tokens": 32}})
+        assert resp.status_code == 201, resp.text
+    ends = {name: await terminal_of(js, item.episode_id, timeout_s=60) for name, item in items.items()}
+
+    for name in ("plain", "streaming", "tools", "rewrite", "calculator"):
+        assert ends[name].type == "episode.finished", (name, ends[name])
+        assert ends[name].status == "completed" and ends[name].num_turns == 2
+    assert ends["plain"].reward == 1.0 and ends["plain"].info["answer"] == "Again: 4."
+    assert ends["streaming"].reward == 1.0 and ends["calculator"].reward == 1.0
+    assert ends["tools"].reward == 1.0 and ends["tools"].info["agent_info"] == {"tool_calls": 1}
+    assert ends["rewrite"].info["drifts"] == [{"turn": 0, "class": "history_rewrite"}]
+    # the batch's sampling unless the call sets its own: plain asked for top_logprobs=2 and seed 1
+    first = next(r for r in policy.requests if r.episode_id == items["plain"].episode_id)
+    assert first.sampling.logprobs == 2 and first.sampling.seed == 1 and first.max_tokens == 24
+
+    raised, silent, sleepy = ends["raises"], ends["silent"], ends["sleepy"]
+    assert (raised.type, raised.failure_class) == ("episode.failed", "agent")
+    assert "ValueError" in raised.reason and "_parse_score" in raised.reason and "Traceback" in raised.reason
+    assert (silent.failure_class, silent.num_turns) == ("agent", 0) and "no model calls" in silent.reason
+    assert sleepy.failure_class == "timeout" and "8s deadline" in sleepy.reason
+    # the deadline cancelled the agent in the middle of a generation: no turn kept, the worker went on
+    assert ends["held"].failure_class == "timeout" and "after 0 model calls" in ends["held"].reason
+    assert ends["held"].num_turns == 0
+    policy.release.set()
+
+    sql = Sql(database_url)
+    try:
+        def recorded() -> bool:
+            n = sql.scalar("select count(*) from episodes where id = any(:ids) and status in "
+                           "('completed', 'failed')", ids=[i.episode_id for i in items.values()])
+            return bool(n == len(items))
+
+        wait_for(recorded, 30, "every agent episode recorded")
+        for name in ("plain", "streaming", "tools", "rewrite", "calculator"):
+            assert check_token_exact(sql, items[name].batch_id) == 1
+            tr = check_segments(sql, items[name].episode_id)
+            assert tr["num_segments"] == (2 if name == "rewrite" else 1)
+            assert len(spans(tr)) == tr["num_segments"]  # the exporter's training samples: one per segment
+        tools_tr = sql.rows("select token_ids from trajectories where episode_id = :e",
+                            e=items["tools"].episode_id)[0]
+        tok = policy.tok
+        text = tok.decode(tools_tr["token_ids"])
+        # the tool schema is in the prompt, the call verbatim, the result rendered as a tool turn
+        assert '"name": "add"' in text and "<tool_call>" in text and "<tool_response>\n5\n</tool_response>" in text
+        assert "<tool_response>\n2\n</tool_response>" in text  # the few-shot history's tool turn
+        last = sql.rows("select info, reward from steps where episode_id = :e order by turn_index desc limit 1",
+                        e=items["plain"].episode_id)[0]
+        assert last["info"]["answer"] == "Again: 4." and last["reward"] == 1.0
+        failed = sql.rows("select failure_class, failure_reason from episodes where id = :e",
+                          e=items["raises"].episode_id)[0]
+        assert failed["failure_class"] == "agent" and "_parse_score" in failed["failure_reason"]
+    finally:
+        sql.close()

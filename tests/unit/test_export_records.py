@@ -1,0 +1,142 @@
+"""The exporter's pure parts: spans of segmented trajectories, each trainer shape, array decoding, advantages."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec, group_advantages
+from rollout_ledger.services.exporter.records import SCHEMAS, Span, Unit, records, slime, spans, trl, verl
+from rollout_ledger.services.exporter.rows import decode_array, decode_column
+from rollout_ledger.services.exporter.selection import RewardChoice, Selection
+from rollout_ledger.services.exporter.writers import to_table
+from rollout_ledger.shared.errors import SchemaError
+
+
+def two_segment_row() -> dict:
+    """prompt 0..3 | turn 1 sampled 4..6, obs 7..8 || segment 2: context 9..14 | turn 2 sampled 15..16."""
+    tok = np.arange(100, 117, dtype=np.int32)
+    mask = np.zeros(17, np.int32)
+    mask[4:7] = 1
+    mask[15:17] = 1
+    lp = np.where(mask == 1, -np.arange(17) / 10, 0).astype(np.float32)
+    wv = np.full(17, -1, np.int32)
+    wv[4:7] = 3
+    wv[15:17] = 4
+    return {
+        "episode_id": "b.0.1", "group_id": "b.0", "batch_id": "b", "group_index": 1, "env": "e", "attempt": 2,
+        "status": "truncated", "failure_class": None, "reward": 0.5, "rollout_reward": 0.5, "advantage": -1.25,
+        "group_size": 4, "task": {"q": 1}, "prompt_text": "hi", "token_ids": tok, "loss_mask": mask, "logprobs": lp,
+        "weight_versions": wv, "action_ranges": [[4, 7], [15, 17]], "segments": [[0, 9], [9, 17]],
+        "num_segments": 2, "token_check": "ok", "drifts": [{"turn": 1, "class": "history_rewrite"}],
+        "prompt_len": 4, "num_tokens": 17, "num_sampled_tokens": 5, "num_turns": 2, "created_at": None,
+        "reward_source": "rollout",
+    }
+
+
+def test_segments_map_to_one_span_each_with_the_context_as_prompt() -> None:
+    row = two_segment_row()
+    assert spans(row) == [Span(0, 4, 9, 0, 2), Span(9, 15, 17, 1, 2)]
+    assert spans(row, Unit.TURN) == [Span(0, 4, 7, 0, 2), Span(9, 15, 17, 1, 2)]
+    row["segments"] = [[0, 9], [9, 12], [12, 17]]  # a segment without a sampled token trains nothing
+    assert [(s.start, s.prompt_end, s.end) for s in spans(row)] == [(0, 4, 9), (12, 15, 17)]
+
+
+def test_openrlhf_sample_per_segment() -> None:
+    row = two_segment_row()
+    first, second = records(row, "openrlhf")
+    assert first["observation_tokens"].tolist() == list(range(100, 109))
+    assert first["action_ranges"] == [[4, 7]]
+    assert first["rollout_log_probs"].tolist() == pytest.approx([0, 0, 0, 0, -0.4, -0.5, -0.6, 0, 0])
+    assert second["observation_tokens"].tolist() == list(range(109, 117))
+    assert second["action_ranges"] == [[6, 8]]
+    assert second["rollout_log_probs"].tolist() == pytest.approx([0] * 6 + [-1.5, -1.6])
+    for rec in (first, second):
+        assert rec["reward"] == 0.5 and rec["advantage"] == -1.25 and rec["truncated"] is True
+        assert rec["group_id"] == "b.0" and rec["num_samples"] == 2
+        assert rec["label"] == '{"q":1}'
+    assert first["extra_logs"]["weight_versions"] == [3] and second["extra_logs"]["weight_versions"] == [4]
+
+
+def test_slime_sample_masks_the_response_only() -> None:
+    rec = slime(two_segment_row(), Span(0, 4, 9, 0, 2))
+    assert rec["tokens"].tolist() == list(range(100, 109))
+    assert rec["response_length"] == 5
+    assert rec["loss_mask"].tolist() == [1, 1, 1, 0, 0]
+    assert rec["rollout_log_probs"].tolist() == pytest.approx([-0.4, -0.5, -0.6, 0, 0])
+    assert rec["status"] == "truncated" and rec["weight_versions"] == ["3"] and rec["index"] == 1
+    row = two_segment_row()
+    row["status"] = "failed"
+    assert slime(row, Span(0, 4, 9, 0, 1))["status"] == "aborted"
+
+
+def test_verl_and_trl_split_prompt_and_response() -> None:
+    row = two_segment_row()
+    v = verl(row, Span(9, 15, 17, 1, 2))
+    assert v["prompts"].tolist() == list(range(109, 115)) and v["responses"].tolist() == [115, 116]
+    assert v["response_mask"].tolist() == [1, 1] and v["attention_mask"].tolist() == [1] * 8
+    assert v["position_ids"].tolist() == list(range(8)) and v["uid"] == "b.0"
+    t = trl(row, Span(0, 4, 9, 0, 2))
+    assert t["prompt_ids"].tolist() == [100, 101, 102, 103]
+    assert t["completion_ids"].tolist() == [104, 105, 106, 107, 108]
+    assert t["completion_mask"].tolist() == [1] * 5 and t["tool_mask"].tolist() == [1, 1, 1, 0, 0]
+    assert t["logprobs"].tolist() == pytest.approx([-0.4, -0.5, -0.6, 0, 0])
+
+
+@pytest.mark.parametrize("shape", list(SCHEMAS))
+def test_every_shape_converts_to_its_arrow_schema(shape: str) -> None:
+    recs = records(two_segment_row(), shape)
+    table = to_table(recs, SCHEMAS[shape])
+    assert table.schema == SCHEMAS[shape]
+    assert table.num_rows == (1 if shape == "full" else 2)
+    back = table.to_pylist()[0]
+    for name, value in recs[0].items():
+        if isinstance(value, np.ndarray):
+            assert back[name] == pytest.approx(value.tolist())
+
+
+def test_decode_array_send_layouts() -> None:
+    def send(fmt: str, values: list) -> bytes:
+        size = struct.calcsize(">" + fmt)
+        head = struct.pack(">iiiii", 1, 0, 23, len(values), 1)
+        return head + b"".join(struct.pack(">i" + fmt, size, v) for v in values)
+
+    assert decode_array(send("i", [1, -2, 3]), "token_ids").tolist() == [1, -2, 3]
+    assert decode_array(send("h", [0, 1, -1]), "loss_mask").tolist() == [0, 1, -1]
+    assert decode_array(send("f", [0.5, -1.25]), "logprobs").tolist() == [0.5, -1.25]
+    empty = struct.pack(">iii", 0, 0, 23)
+    assert decode_array(empty, "token_ids").tolist() == []
+    rows = decode_column([send("i", [7, 8]), empty, None, send("i", [2**31 - 1, -(2**31)])], 4, np.dtype("<i4"))
+    assert [r.tolist() for r in rows] == [[7, 8], [], [], [2**31 - 1, -(2**31)]]
+    with pytest.raises(SchemaError):
+        decode_column([send("i", [1, 2])[:-2]], 4, np.dtype("<i4"))
+
+
+def test_advantage_arithmetic_on_known_groups() -> None:
+    rewards = [1.0, 0.0, 0.0, 1.0]  # mean 0.5, sample std sqrt(1/3)
+    std = (1 / 3) ** 0.5
+    grpo = group_advantages(rewards, AdvantageSpec(AdvantageKind.GRPO, epsilon=0.0))
+    assert grpo == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std])
+    assert group_advantages(rewards, AdvantageSpec(AdvantageKind.GRPO, epsilon=1.0)) == pytest.approx(
+        [0.5 / (std + 1), -0.5 / (std + 1), -0.5 / (std + 1), 0.5 / (std + 1)])
+    assert group_advantages([3.0, 1.0], AdvantageSpec(normalize_std=False)) == [1.0, -1.0]
+    # rloo: r - mean(others): 1 - 1/3, 0 - 2/3
+    assert group_advantages(rewards, AdvantageSpec(AdvantageKind.RLOO)) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    assert group_advantages([0.7], AdvantageSpec(AdvantageKind.RLOO)) == [0.0]
+    assert group_advantages([0.7], AdvantageSpec(AdvantageKind.GRPO)) == [0.0]
+    assert group_advantages([0.7, None], AdvantageSpec(AdvantageKind.NONE)) == [0.7, None]
+
+
+def test_selection_validates_its_windows() -> None:
+    with pytest.raises(ValueError, match="staleness"):
+        Selection(max_staleness=2)
+    with pytest.raises(ValueError, match="reward range"):
+        Selection(reward_min=1, reward_max=0)
+    assert RewardChoice.parse("rollout") is None
+    assert RewardChoice.parse("judge@v2") == RewardChoice("judge", "v2")
+    with pytest.raises(ValueError, match="NAME@VERSION"):
+        RewardChoice.parse("judge")
+    assert pa.types.is_list(SCHEMAS["slime"].field("weight_versions").type)

@@ -1,0 +1,352 @@
+"""The session endpoint through the official ``openai`` SDK, in process (ASGI transport), on a scripted episode.
+
+The episode is a fake ``EpisodeSink`` (scripted turns of real SmolLM2 ids, events kept in lists); the app,
+the session's token-exact rules and the protocol mapping are the real ones. The same endpoint against the
+real model, NATS and Postgres is tested in tests/e2e/test_agents_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from rollout_ledger.services.env_worker.sessions.app import SessionRegistry, session_app
+from rollout_ledger.services.env_worker.sessions.mapping import (
+    Completion,
+    assistant_turn,
+    split_tool_blocks,
+    sse,
+    token_texts,
+)
+from rollout_ledger.services.env_worker.sessions.protocol import (
+    ApiError,
+    normalize_messages,
+    parse_request,
+    same_message,
+)
+from rollout_ledger.services.env_worker.sessions.session import AgentSession
+from rollout_ledger.services.env_worker.tokenization import Delta, Transcript, TurnTemplate
+from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
+from rollout_ledger.shared.errors import InferenceError
+from rollout_ledger.shared.events import FinishReason, SamplingParams, TurnGenerated
+
+EOS = "<|im_end|>"
+TOOLS: Any = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "a": {"type": "integer"}, "b": {"type": "integer"}},
+                                               "required": ["a", "b"]}}}]
+CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+# --- protocol ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function",
+                                                                      "function": {"name": "nope"}}}, "tool_choice"),
+])
+def test_bad_requests_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_request(body)
+    assert err.value.status == 400
+    assert err.value.param is not None and err.value.param.startswith(param)
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
+    assert param in err.value.message
+
+
+def test_messages_are_normalised() -> None:
+    msgs = normalize_messages([
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "refusal": None, "audio": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ])
+    assert msgs == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1"},
+    ]
+    with pytest.raises(ApiError, match=r"messages\[0\].content\[0\]: only text"):
+        normalize_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ApiError, match=r"messages\[0\].role"):
+        normalize_messages([{"role": "robot", "content": "x"}])
+
+
+def test_returned_assistant_message_matches_semantically() -> None:
+    returned = {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add",
+                                                                            "arguments": '{"a": 1, "b": 2}'}}]}
+    redumped = json.loads(json.dumps(returned))
+    redumped["tool_calls"][0]["function"]["arguments"] = '{"b":2,"a":1}'
+    assert same_message(redumped, returned)
+    other_id = json.loads(json.dumps(returned))
+    other_id["tool_calls"][0]["id"] = "c2"
+    assert not same_message(other_id, returned)
+    assert not same_message({"role": "assistant", "content": "edited"}, {"role": "assistant", "content": "x"})
+
+
+# --- mapping ----------------------------------------------------------------------------------------------
+def test_tool_calls_are_parsed_from_hermes_text() -> None:
+    turn = assistant_turn(f"Let me add. {CALL_TEXT}", "stop", parse_tools=True, id_seed="t0")
+    assert turn.finish_reason == "tool_calls" and turn.content == "Let me add."
+    assert turn.tool_calls[0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    two = assistant_turn(CALL_TEXT + CALL_TEXT.replace("2", "7"), "stop", parse_tools=True, id_seed="t0")
+    assert [c["function"]["arguments"] for c in two.tool_calls] == ['{"a": 2, "b": 3}', '{"a": 7, "b": 3}']
+    assert two.content is None and len({c["id"] for c in two.tool_calls}) == 2
+    bad = assistant_turn("<tool_call>{not json}</tool_call>", "stop", parse_tools=True, id_seed="t0")
+    assert bad.tool_calls == [] and bad.content == "<tool_call>{not json}</tool_call>" and bad.finish_reason == "stop"
+    off = assistant_turn(CALL_TEXT, "length", parse_tools=False, id_seed="t0")
+    assert off.tool_calls == [] and off.finish_reason == "length"
+    assert split_tool_blocks("plain") is None
+
+
+def _completion(tok: ChatTokenizer, text: str, *, tools: bool, logprobs: bool) -> Completion:
+    ids = [*tok.encode(text).tolist(), tok.tokenizer.token_to_id(EOS)]
+    lps = [-0.5] * len(ids)
+    from rollout_ledger.services.env_worker.sessions.mapping import logprobs_content
+
+    top = [{i: -0.5, 42: -1.5} for i in ids]
+    turn = assistant_turn(text, "stop", parse_tools=tools, id_seed="x")
+    return Completion(id="chatcmpl-1", created=1, model="m", turn=turn, prompt_token_ids=[1, 2, 3], token_ids=ids,
+                      logprobs=logprobs_content(tok, np.array(ids), np.array(lps), top, 2) if logprobs else None,
+                      token_texts=token_texts(tok, ids), extra={"episode_id": "e"})
+
+
+def test_response_and_chunks_parse_with_the_sdk_types(model_dir: str) -> None:
+    tok = load_chat_tokenizer(model_dir)
+    text = "Héllo wörld 🎲, twelve!"
+    c = _completion(tok, text, tools=False, logprobs=True)
+    resp = ChatCompletion.model_validate(c.response())
+    assert resp.choices[0].message.content == text
+    assert resp.usage is not None and resp.usage.completion_tokens == len(c.token_ids)
+    assert resp.choices[0].logprobs is not None and resp.choices[0].logprobs.content is not None
+    assert len(resp.choices[0].logprobs.content[0].top_logprobs) == 2
+    chunks = [ChatCompletionChunk.model_validate(ch) for ch in c.chunks(include_usage=True)]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 3 + len(
+        c.token_ids)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    state = ChatCompletionStreamState()
+    for ch in c.chunks(include_usage=True):
+        state.handle_chunk(ChatCompletionChunk.model_validate(ch))
+    assert state.get_final_completion().choices[0].message.content == text
+    wire = b"".join(sse(ch) for ch in c.chunks(include_usage=False))
+    assert wire.startswith(b"data: {") and wire.endswith(b"\n\n")
+
+    calls = _completion(tok, CALL_TEXT, tools=True, logprobs=False)
+    state = ChatCompletionStreamState(input_tools=TOOLS)
+    for ch in calls.chunks(include_usage=False):
+        state.handle_chunk(ChatCompletionChunk.model_validate(ch))
+    final = state.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    tool_calls = final.choices[0].message.tool_calls
+    assert tool_calls is not None and tool_calls[0].type == "function" and tool_calls[0].function.name == "add"
+
+
+def test_token_texts_concatenate_to_the_text(model_dir: str) -> None:
+    tok = load_chat_tokenizer(model_dir)
+    for text in ("plain ascii", "ünïcödé 🎲🎲 and 漢字", ""):
+        ids = [*tok.encode(text).tolist(), tok.tokenizer.token_to_id(EOS)]
+        assert "".join(token_texts(tok, ids)) == text
+
+
+# --- the endpoint on a scripted episode -----------------------------------------------------------------
+@dataclass
+class ScriptedEpisode:
+    """An ``EpisodeSink`` answering turn t with ``script[t]`` (real ids), keeping what it would publish."""
+
+    tok: ChatTokenizer
+    script: list[str]
+    max_turns: int = 8
+    max_model_len: int = 2048
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=64))
+    started: list[list[dict[str, Any]]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    requests: list[tuple[np.ndarray, SamplingParams, int]] = field(default_factory=list)
+    fail: bool = False
+
+    def batch_cancelled(self) -> bool:
+        return False
+
+    async def publish_started(self, transcript: Transcript, messages: list[dict[str, Any]]) -> None:
+        self.started.append(messages)
+
+    async def generate_turn(self, t: int, context: Any, sampling: SamplingParams, max_tokens: int) -> TurnGenerated:
+        if self.fail:
+            raise InferenceError("no worker", retryable=True)
+        self.requests.append((np.array(context), sampling, max_tokens))
+        ids = np.append(self.tok.encode(self.script[t]), np.int32(self.tok.tokenizer.token_to_id(EOS)))
+        return TurnGenerated(
+            event_id=f"e:a1:t{t}:r1", episode_id="e", batch_id="b", attempt=1, seq=2 * t + 1, produced_by="test",
+            request_id=f"e:a1:t{t}:r1", turn_index=t, prompt_len=len(context), token_ids=ids.astype(np.int32),
+            logprobs=np.full(len(ids), -0.25, dtype=np.float32), top_logprobs=[{int(i): -0.25} for i in ids],
+            finish_reason=FinishReason.STOP, weight_version=3, engine="test", worker_id="w", queue_ms=0.0,
+            generate_ms=0.0)
+
+    async def publish_step(self, t: int, turn: TurnGenerated, action: str, observation: list[dict[str, Any]],
+                           delta: Delta, *, final: bool, reward: float = 0.0, terminated: bool = False,
+                           truncated: bool = False, info: dict[str, Any] | None = None) -> None:
+        self.steps.append({"t": t, "ids": delta.ids.tolist(), "new_segment": delta.new_segment,
+                           "drift": None if delta.drift is None else delta.drift.value, "final": final,
+                           "reward": reward, "observation": observation})
+
+
+@pytest.fixture
+def tok(model_dir: str) -> ChatTokenizer:
+    return load_chat_tokenizer(model_dir)
+
+
+@dataclass
+class Served:
+    episode: ScriptedEpisode
+    session: AgentSession
+    client: openai.AsyncOpenAI
+    registry: SessionRegistry
+
+
+@pytest.fixture
+async def served(tok: ChatTokenizer) -> AsyncIterator[Served]:
+    episode = ScriptedEpisode(tok, ["Hello!", CALL_TEXT, "It is 5.", "Bye."])
+    registry = SessionRegistry("SmolLM2-135M-Instruct")
+    registry.base_url = "http://sessions"
+    session = AgentSession(episode, TurnTemplate(tok), registry.model_name)
+    registry.open("e", session)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=session_app(registry)))
+    client = openai.AsyncOpenAI(base_url=registry.url("e"), api_key="k", http_client=cast(Any, http), max_retries=0)
+    yield Served(episode, session, client, registry)
+    await client.close()
+
+
+def _ids_of(transcript: Transcript) -> list[int]:
+    return transcript.ids.tolist()
+
+
+async def test_a_conversation_through_the_sdk_is_token_exact(served: Served, tok: ChatTokenizer) -> None:
+    client, ep = served.client, served.episode
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
+    msgs: list[Any] = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Hi"}]
+    r0 = await client.chat.completions.create(model="policy", messages=msgs, logprobs=True, top_logprobs=1,
+                                              temperature=0.5, seed=7)
+    assert r0.choices[0].message.content == "Hello!"
+    assert r0.model_extra is not None and r0.model_extra["prompt_token_ids"] == ep.requests[0][0].tolist()
+    assert r0.choices[0].model_extra is not None and r0.choices[0].model_extra["token_ids"][-1] == 2
+    assert ep.requests[0][1].temperature == 0.5 and ep.requests[0][1].seed == 7 and ep.requests[0][1].logprobs == 1
+    msgs += [r0.choices[0].message, {"role": "user", "content": "What is 2 + 3?"}]
+    r1 = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+    # a tools change is a rewrite of the conversation: a new segment
+    assert ep.steps[0]["new_segment"] and ep.steps[0]["drift"] == "history_rewrite"
+    call = r1.choices[0].message.tool_calls
+    assert r1.choices[0].finish_reason == "tool_calls" and call is not None
+    msgs += [r1.choices[0].message, {"role": "tool", "tool_call_id": call[0].id, "content": "5"}]
+    stream = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS,
+                                                  stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert text == "It is 5." and usage is not None
+    # the tool result extended the context: only the template delta was appended
+    assert ep.steps[1] == {"t": 1, "ids": ep.steps[1]["ids"], "new_segment": False, "drift": None, "final": False,
+                           "reward": 0.0, "observation": [{"role": "tool", "content": "5",
+                                                            "tool_call_id": call[0].id}]}
+    await served.session.finish(1.0)
+    assert ep.steps[-1]["final"] and ep.steps[-1]["ids"] == [] and ep.steps[-1]["reward"] == 1.0
+    transcript = served.session.transcript
+    assert transcript is not None
+    assert transcript.check_results() == [True, True]
+    # each request's context is exactly the open segment: previous request + sampled ids + the delta
+    seg2 = transcript.segments[1]
+    ctx1, ctx2 = ep.requests[1][0].tolist(), ep.requests[2][0].tolist()
+    assert _ids_of(transcript)[seg2[0]:seg2[0] + len(ctx1)] == ctx1
+    sampled1 = [*tok.encode(CALL_TEXT).tolist(), 2]
+    assert ctx2 == ctx1 + sampled1 + ep.steps[1]["ids"]
+
+
+async def test_rewritten_history_starts_a_new_segment_never_a_500(served: Served) -> None:
+    client, ep = served.client, served.episode
+    msgs: list[Any] = [{"role": "user", "content": "Hi"}]
+    r0 = await client.chat.completions.create(model="p", messages=msgs)
+    edited: Any = {"role": "assistant", "content": (r0.choices[0].message.content or "") + " (edited)"}
+    await client.chat.completions.create(model="p", messages=[*msgs, edited, {"role": "user", "content": "Again"}])
+    assert ep.steps[0]["new_segment"] and ep.steps[0]["drift"] == "history_rewrite"
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "Fresh start"}])
+    assert ep.steps[1]["new_segment"]
+    transcript = served.session.transcript
+    assert transcript is not None and len(transcript.segments) == 3
+
+
+async def test_errors_come_back_in_the_openai_shape(served: Served) -> None:
+    client, ep = served.client, served.episode
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], n=2)
+    assert bad.value.status_code == 400 and "n=1" in bad.value.message
+    assert isinstance(bad.value.body, dict) and bad.value.body["param"] == "n"
+    other = openai.AsyncOpenAI(base_url=served.registry.url("nope"), api_key="k", max_retries=0,
+                               http_client=cast(Any, httpx.AsyncClient(transport=httpx.ASGITransport(
+                                   app=session_app(served.registry)))))
+    with pytest.raises(openai.NotFoundError):
+        await other.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+    await other.close()
+    ep.max_turns = 1
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as budget:
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+    assert budget.value.code == "max_turns_exceeded"
+    assert served.session.ending is not None and served.session.ending.reason == "max_turns"
+
+
+async def test_an_inference_failure_is_a_503_and_ends_the_session(served: Served) -> None:
+    served.episode.fail = True
+    with pytest.raises(openai.InternalServerError) as err:
+        await served.client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+    assert err.value.status_code == 503
+    assert served.session.ending is not None and served.session.ending.failure_class is not None
+
+
+# --- agent functions ------------------------------------------------------------------------------------
+def test_agents_are_parsed_and_imported() -> None:
+    from rollout_ledger.services.env_worker.sessions.agents import AgentLoadError, load_agents, parse_agents
+
+    assert parse_agents(" a=tests.agents:plain, b = tests.agents:tools ,") == {"a": "tests.agents:plain",
+                                                                             "b": "tests.agents:tools"}
+    for bad in ("a", "a=tests.agents", "=m:f", "a=m:f,a=m:g"):
+        with pytest.raises(AgentLoadError):
+            parse_agents(bad)
+    agents = load_agents("calc=examples.agent.calculator:run")
+    assert agents["calc"].advert("w")["agent"] == "examples.agent.calculator:run"
+    assert agents["calc"].description.startswith("Answer")
+    with pytest.raises(AgentLoadError, match="async function"):
+        load_agents("x=tests.agents:_check_ids")
+    with pytest.raises(AgentLoadError, match="has no"):
+        load_agents("x=tests.agents:nope")
+    with pytest.raises(AgentLoadError, match="cannot import"):
+        load_agents("x=tests.no_such_module:run")
+
+
+def test_agent_results() -> None:
+    from rollout_ledger.services.env_worker.sessions.agents import agent_result
+
+    assert agent_result(1).reward == 1.0
+    full = agent_result({"reward": 0.5, "info": {"k": {1, 2}}, "answer": ["x"]})
+    assert (full.reward, full.answer) == (0.5, ["x"]) and isinstance(full.info["k"], list | str)
+    bads: list[Any] = [None, "1", True, {"info": {}}, {"reward": "1"}, {"reward": 1, "info": [1]}, float("nan")]
+    for bad in bads:
+        with pytest.raises(ValueError):
+            agent_result(bad)
