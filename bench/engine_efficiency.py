@@ -117,6 +117,8 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
             wall = time.perf_counter() - began
         engine = create_engine(sync_url(stack.infra.database_url))
         worker_log = worker.tail_log(60)
+        keep = Path(tempfile.gettempdir()) / "engine_efficiency_inference_worker.log"
+        keep.write_text(worker.log_path.read_text(errors="replace"))
         with engine.connect() as conn:
             rows = [dict(r._mapping) for r in conn.execute(text(
                 "select t.episode_id, t.status, t.token_ids, t.action_ranges, t.segments, t.num_sampled_tokens, "
@@ -127,7 +129,7 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
                 "on e.id = t.episode_id where e.batch_id = :b and not t.superseded"), {"b": batch_id}).one()
         engine.dispose()
     if len(rows) != args.episodes or any(r["status"] == "failed" for r in rows):
-        print(f"inference worker log (tail):\n{worker_log}", file=sys.stderr)
+        print(f"inference worker log (tail; all of it in {keep}):\n{worker_log}", file=sys.stderr)
         raise SystemExit(f"the system run did not store {args.episodes} good trajectories: "
                          f"{[(r['episode_id'], r['status'], r['failure_reason']) for r in rows][:4]}")
     requests = []
