@@ -75,6 +75,12 @@ class Engine(Protocol):
         """Cancel an in-flight request (no-op when it is unknown or already done)."""
         ...
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine can serve no more requests (its engine process died): the worker then reports
+        not ready and exits, so that its supervisor restarts it while requesters fail over to other workers."""
+        ...
+
     async def stop(self) -> None:
         """Release the engine (after in-flight requests have finished or been aborted)."""
         ...

@@ -273,6 +273,11 @@ class FakeEngine:
         warm = tok.encode(tok.render([{"role": "user", "content": "What is 1 + 1?"}], add_generation_prompt=True))
         self._sample(warm, SamplingParams(), 16)
 
+    @property
+    def healthy(self) -> bool:
+        """The fake never dies."""
+        return True
+
     async def stop(self) -> None:
         for event in self._aborts.values():
             event.set()

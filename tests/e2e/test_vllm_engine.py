@@ -75,6 +75,19 @@ async def test_greedy_answer_mentions_paris(vllm_engine: Engine, tok: ChatTokeni
     assert gen.top_logprobs is None
 
 
+async def test_many_seeded_requests_with_long_prompts_keep_the_engine_alive(vllm_host: EngineHost,
+                                                                             vllm_engine: Engine,
+                                                                             tok: ChatTokenizer) -> None:
+    """32 requests with their own seeds and prompts too long to prefill in one step together: on CPU vLLM would
+    chunk them and kill its engine core ("CPU Generator does not use offset"); ours keeps chunked prefill off
+    there, so every request is answered and the engine stays healthy."""
+    prompts = [chat(tok, ("user", f"Story {i}: " + "word " * 250)) for i in range(32)]
+    sampling = SamplingParams(temperature=1.0, seed=0, max_tokens=8)
+    gens = await asyncio.gather(*(vllm_engine.generate(rid("seeded"), p, sampling, 8) for p in prompts))
+    assert all(len(g.token_ids) == 8 or g.finish_reason == FinishReason.STOP for g in gens)
+    assert vllm_host.engine.healthy
+
+
 async def test_sampled_ids_and_logprobs_are_vllms_own(vllm_host: EngineHost, tok: ChatTokenizer) -> None:
     """Our Generation equals vLLM's raw output: same ids, text, and each sampled id's logprob read by id."""
     from vllm.inputs import TokensPrompt

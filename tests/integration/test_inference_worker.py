@@ -32,7 +32,7 @@ from rollout_ledger.shared.events import (
     decode_as,
     encode,
 )
-from rollout_ledger.shared.runtime import Shutdown
+from rollout_ledger.shared.runtime import Health, Shutdown
 from rollout_ledger.shared.subjects import (
     EVENTS_STREAM,
     INFER_ANY,
@@ -353,3 +353,35 @@ async def test_real_process_serves_and_drains_on_sigterm(stack: Stack, nc: bus.N
     assert proc.proc is not None
     code = await asyncio.to_thread(proc.proc.wait, 15)
     assert code == 0, proc.tail_log()
+
+
+class DyingEngine(FakeEngine):
+    """A fake whose engine process 'dies' at its first request (as vLLM's engine core can)."""
+
+    dead = False
+
+    @property
+    def healthy(self) -> bool:
+        return not self.dead
+
+    async def generate(self, request_id: str, prompt_token_ids: np.ndarray, sampling: SamplingParams,
+                       max_tokens: int, *, session_key: str | None = None) -> Any:
+        self.dead = True
+        raise InferenceError("the engine is dead", retryable=True)
+
+
+async def test_worker_with_a_dead_engine_stops_and_says_so(nc: bus.NATS, nats_url: str, model_dir: str,
+                                                           heartbeats: Heartbeats) -> None:
+    """A dead engine is not a worker that answers errors forever: it turns not ready, drains and exits with an
+    error (its supervisor restarts it; requesters fail over to other workers)."""
+    settings = make_settings(nats_url, model_dir)
+    health = Health()
+    task = asyncio.create_task(run(settings, Shutdown(), engine=DyingEngine(model_dir), health=health))
+    await heartbeats.wait(settings.worker_id)
+    assert health.status()[0]
+    reply = await ask(nc, infer_worker_subject(settings.worker_id), request_for(model_dir))
+    assert reply.headers is not None and reply.headers[RETRYABLE_HEADER] == "true"
+    with pytest.raises(InferenceError, match="engine died"):
+        await asyncio.wait_for(task, timeout=15)
+    ok, checks = health.status()
+    assert not ok and checks["engine"] is False
