@@ -4,20 +4,21 @@ Issue-3 benchmarks (a) and (c), side by side in one run:
 
 1. **System**: private NATS + Postgres, the scheduler, one env worker, the recorder and one inference worker on
    vLLM (the real model). One batch of multi-turn episodes (``fixed-turns``: every turn is answered by a user
-   message, so each episode runs exactly ``--turns`` turns) is submitted over REST; the clock runs from the POST
+   message, so each episode runs exactly ``--turns`` turns; each episode writes about its own topic) is
+   submitted over REST; the clock runs from the POST
    to the moment every trajectory is stored in Postgres. The inference worker's process tree (the worker and
    vLLM's engine-core process) is sampled for memory while it runs.
 2. **Engine alone**: a fresh Python process that imports vLLM and nothing of ours starts ``AsyncLLM`` with the
    inference worker's engine arguments (``engine_kwargs``, the same CPU defaults and warm-up) and replays the
    system's requests exactly: every episode's turn contexts (read back from the stored trajectories), the same
-   sampling parameters and seed, all episodes at once and each episode's turns one after another, and every
+   sampling parameters, all episodes at once and each episode's turns one after another, and every
    turn forced to the length the system generated (``min_tokens = max_tokens = n``) so both do the same work.
    Its process tree is sampled the same way.
 
 Reported: generated tokens/s of both and their ratio (target >= 0.95), and the inference worker's memory over
 the bare engine's (RSS and PSS of the process trees, peak; target <= 200 MB).
 
-    python -m bench.engine_efficiency                      # 32 episodes x 4 turns x 32 tokens
+    python -m bench.engine_efficiency                      # 32 episodes x 4 turns x 64 tokens
     python -m bench.engine_efficiency --episodes 8 --turns 2 --max-tokens 16
 """
 
@@ -38,6 +39,8 @@ from typing import Any
 import psutil
 
 HERE = Path(__file__).resolve().parent
+TOPICS = ("the sea", "mountains", "a city at night", "bread", "rain", "old books", "trains", "a garden",
+          "winter", "music", "the moon", "a market", "bees", "a river", "clocks", "a lighthouse")
 
 
 class TreeMemory:
@@ -104,9 +107,9 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
         worker = next(p for p in stack.stack.procs if p.service == "inference-worker")
         assert worker.proc is not None
         http = httpx.Client(base_url=stack.scheduler_url, timeout=30)
-        body = {"env": "fixed-turns", "tasks": [{"turns": args.turns, "seed": i} for i in range(args.episodes)],
-                "group_size": 1, "max_turns": args.turns,
-                "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens, "seed": args.seed}}
+        tasks = [{"turns": args.turns, "topic": TOPICS[i % len(TOPICS)]} for i in range(args.episodes)]
+        body = {"env": "fixed-turns", "tasks": tasks, "group_size": 1, "max_turns": args.turns,
+                "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens}}
         with TreeMemory(worker.proc.pid) as memory:
             began = time.perf_counter()
             resp = http.post("/v1/batches", json=body)
@@ -159,7 +162,7 @@ def run_direct(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict
         spec = Path(tmp) / "requests.json"
         out = Path(tmp) / "result.json"
         spec.write_text(json.dumps({"requests": requests, "model": args.model, "max_model_len": args.max_model_len,
-                                    "temperature": args.temperature, "seed": args.seed}))
+                                    "temperature": args.temperature}))
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine_efficiency", "--replay", str(spec),
                                  "--out", str(out)], cwd=HERE.parent)
         with TreeMemory(proc.pid) as memory:
@@ -190,7 +193,7 @@ def replay(spec_path: Path, out_path: Path) -> None:
             nonlocal generated
             for t, turn in enumerate(req["turns"]):
                 n = int(turn["generate"])
-                params = vllm.SamplingParams(temperature=spec["temperature"], seed=spec["seed"], max_tokens=n,
+                params = vllm.SamplingParams(temperature=spec["temperature"], max_tokens=n,
                                              min_tokens=n, logprobs=1, detokenize=False,
                                              output_kind=vllm.sampling_params.RequestOutputKind.FINAL_ONLY)
                 last = None
@@ -219,9 +222,8 @@ def main() -> None:
     parser.add_argument("--model", default=str(default_model_dir()))
     parser.add_argument("--episodes", type=int, default=32)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--replay", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -240,7 +242,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "engine_efficiency",
         "workload": {"episodes": args.episodes, "turns": args.turns, "max_tokens": args.max_tokens,
-                     "temperature": args.temperature, "seed": args.seed, "env": "fixed-turns"},
+                     "temperature": args.temperature, "env": "fixed-turns (a topic per episode)"},
         "system": system,
         "engine_alone": direct,
         "tokens_per_s_ratio": round(system["tokens_per_s"] / direct["tokens_per_s"], 3),

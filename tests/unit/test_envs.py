@@ -104,3 +104,11 @@ async def test_example_tasks_reset() -> None:
     for spec in reg.specs():
         messages = await spec.factory().reset(spec.example_task)
         assert messages and messages[-1]["role"] == "user"
+
+
+async def test_fixed_turns_topic() -> None:
+    env = FixedTurnsEnv()
+    messages = await env.reset({"turns": 2, "topic": "the sea"})
+    assert messages[0]["content"] == "This conversation lasts 2 turns. Write a few sentences about the sea."
+    with pytest.raises(TaskError, match="topic"):
+        await FixedTurnsEnv().reset({"turns": 2, "topic": 7})

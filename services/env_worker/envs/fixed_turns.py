@@ -32,7 +32,11 @@ class FixedTurnsEnv(Env):
         if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:
             raise TaskError(f"step_delay_s must be a non-negative number, got {delay!r}")
         self._delay_s = float(delay)
-        return [{"role": "user", "content": f"This conversation lasts {self._turns} turns. Say anything."}]
+        topic = task.get("topic")
+        if topic is not None and (not isinstance(topic, str) or not topic.strip()):
+            raise TaskError(f"topic must be a non-empty string, got {topic!r}")
+        ask = f"Write a few sentences about {topic}." if topic else "Say anything."
+        return [{"role": "user", "content": f"This conversation lasts {self._turns} turns. {ask}"}]
 
     async def step(self, action: str) -> StepResult:
         self._done += 1
@@ -49,7 +53,8 @@ class FixedTurnsEnv(Env):
 SPEC = EnvSpec(
     name="fixed-turns",
     factory=FixedTurnsEnv,
-    description="Exactly T turns, each answered 'Turn k of T done. Continue.' (benchmarks, crash tests).",
+    description=("Exactly T turns, each answered 'Turn k of T done. Continue.'; optional 'topic' to write about "
+                 "(benchmarks, crash tests)."),
     multi_turn=True,
     example_task={"turns": 3},
 )
