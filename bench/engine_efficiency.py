@@ -112,12 +112,14 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
                 "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens}}
         with TreeMemory(worker.proc.pid) as memory:
             began = time.perf_counter()
+            submitted_at = time.time()
             resp = http.post("/v1/batches", json=body)
             resp.raise_for_status()
             batch_id = resp.json()["batch_id"]
             while not http.get(f"/v1/batches/{batch_id}").json()["done"]:
                 time.sleep(0.05)
             wall = time.perf_counter() - began
+            done_at = time.time()
         engine = create_engine(sync_url(stack.infra.database_url))
         worker_log = worker.tail_log(60)
         keep = Path(tempfile.gettempdir()) / "engine_efficiency_inference_worker.log"
@@ -127,6 +129,15 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
                 "select t.episode_id, t.status, t.token_ids, t.action_ranges, t.segments, t.num_sampled_tokens, "
                 "e.failure_reason from trajectories t join episodes e on e.id = t.episode_id "
                 "where t.batch_id = :b order by t.episode_id"), {"b": batch_id})]
+            timing = conn.execute(text(
+                "with t as (select t.episode_id, t.turn_index, t.produced_at, t.produced_at - make_interval("
+                "secs => (t.generate_ms + t.queue_ms) / 1000.0) as began from turns t join episodes e "
+                "on e.id = t.episode_id where e.batch_id = :b and not t.superseded) "
+                "select extract(epoch from max(produced_at) - min(began)) as window_s, "
+                "(select avg(extract(epoch from n.began - p.produced_at)) * 1000 from t p join t n on "
+                "n.episode_id = p.episode_id and n.turn_index = p.turn_index + 1) as gap_ms, "
+                "extract(epoch from min(began)) as first_began, extract(epoch from max(produced_at)) as last_done "
+                "from t"), {"b": batch_id}).one()
             cached, prompt = conn.execute(text(
                 "select coalesce(sum(t.cached_tokens), 0), sum(t.prompt_len) from turns t join episodes e "
                 "on e.id = t.episode_id where e.batch_id = :b and not t.superseded"), {"b": batch_id}).one()
@@ -150,6 +161,11 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 1),
         "prefix_cache_hit": round(float(cached) / float(prompt), 3) if prompt else None,
+        "engine_window_s": round(float(timing.window_s), 3),
+        "tokens_per_s_in_engine_window": round(tokens / float(timing.window_s), 1),
+        "before_first_turn_s": round(float(timing.first_began) - submitted_at, 3),
+        "after_last_turn_s": round(done_at - float(timing.last_done), 3),
+        "mean_gap_between_turns_ms": round(float(timing.gap_ms), 1),
         "inference_worker_memory": memory.report(),
     }, requests
 
@@ -164,7 +180,7 @@ def run_direct(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict
         spec.write_text(json.dumps({"requests": requests, "model": args.model, "max_model_len": args.max_model_len,
                                     "temperature": args.temperature}))
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine_efficiency", "--replay", str(spec),
-                                 "--out", str(out)], cwd=HERE.parent)
+                                 "--out", str(out)], cwd=HERE.parent, stdout=sys.stderr)
         with TreeMemory(proc.pid) as memory:
             code = proc.wait()
         if code != 0:
