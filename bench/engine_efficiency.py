@@ -92,6 +92,22 @@ class TreeMemory:
 # --- 1. the system ---------------------------------------------------------------------------------------------
 
 
+def cpu_seconds_by_process() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each process below this one, keyed by a short name."""
+    out: dict[str, float] = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = p.cmdline()
+            t = p.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        name = p.name()
+        if "serve" in cmd:
+            name = cmd[cmd.index("serve") + 1] if cmd.index("serve") + 1 < len(cmd) else name
+        out[f"{name}:{p.pid}"] = t.user + t.system
+    return out
+
+
 def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run the batch through the whole system; return its figures and the requests to replay."""
     import httpx
@@ -110,16 +126,19 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
         tasks = [{"turns": args.turns, "topic": TOPICS[i % len(TOPICS)]} for i in range(args.episodes)]
         body = {"env": "fixed-turns", "tasks": tasks, "group_size": 1, "max_turns": args.turns,
                 "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens}}
+        cpu_before = cpu_seconds_by_process()
         with TreeMemory(worker.proc.pid) as memory:
-            began = time.perf_counter()
             submitted_at = time.time()
             resp = http.post("/v1/batches", json=body)
             resp.raise_for_status()
             batch_id = resp.json()["batch_id"]
             while not http.get(f"/v1/batches/{batch_id}").json()["done"]:
-                time.sleep(0.05)
-            wall = time.perf_counter() - began
-            done_at = time.time()
+                time.sleep(1.0)  # polling costs scheduler and Postgres CPU that the engine would miss
+        cpu_after = cpu_seconds_by_process()
+        cpu: dict[str, float] = {}
+        for key, after in cpu_after.items():
+            name = key.split(":")[0]
+            cpu[name] = round(cpu.get(name, 0.0) + after - cpu_before.get(key, 0.0), 2)
         engine = create_engine(sync_url(stack.infra.database_url))
         worker_log = worker.tail_log(60)
         keep = Path(tempfile.gettempdir()) / "engine_efficiency_inference_worker.log"
@@ -136,7 +155,8 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
                 "select extract(epoch from max(produced_at) - min(began)) as window_s, "
                 "(select avg(extract(epoch from n.began - p.produced_at)) * 1000 from t p join t n on "
                 "n.episode_id = p.episode_id and n.turn_index = p.turn_index + 1) as gap_ms, "
-                "extract(epoch from min(began)) as first_began, extract(epoch from max(produced_at)) as last_done "
+                "extract(epoch from min(began)) as first_began, extract(epoch from max(produced_at)) as last_done, "
+                "(select extract(epoch from max(created_at)) from trajectories where batch_id = :b) as stored "
                 "from t"), {"b": batch_id}).one()
             cached, prompt = conn.execute(text(
                 "select coalesce(sum(t.cached_tokens), 0), sum(t.prompt_len) from turns t join episodes e "
@@ -156,6 +176,9 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
             turns.append({"context": ids[seg:a], "generate": int(b) - int(a)})
         requests.append({"episode_id": r["episode_id"], "turns": turns})
     tokens = sum(int(r["num_sampled_tokens"]) for r in rows)
+    # From the POST to the last trajectory stored (Postgres clock, same machine), not to the last poll.
+    wall = float(timing.stored) - submitted_at
+    done_at = float(timing.stored)
     return {
         "generated_tokens": tokens,
         "wall_s": round(wall, 3),
@@ -166,6 +189,7 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
         "before_first_turn_s": round(float(timing.first_began) - submitted_at, 3),
         "after_last_turn_s": round(done_at - float(timing.last_done), 3),
         "mean_gap_between_turns_ms": round(float(timing.gap_ms), 1),
+        "cpu_seconds_by_process": dict(sorted(cpu.items(), key=lambda kv: -kv[1])),
         "inference_worker_memory": memory.report(),
     }, requests
 
