@@ -1,7 +1,9 @@
-"""Agent functions the agent tests run as episodes: unmodified ``openai`` SDK code, one behaviour each.
+"""Agent functions the agent tests run as episodes: unmodified ``openai`` SDK, LangChain and OpenAI Agents SDK
+code, one behaviour each.
 
 The env worker imports them by name (``ROLLOUT_AGENTS="plain=tests.agents:plain,..."``); each gets its
-episode's task and an ``openai.AsyncOpenAI`` client on the episode's session endpoint.
+episode's task and an ``openai.AsyncOpenAI`` client on the episode's session endpoint (the LangChain agent
+builds its own ``ChatOpenAI`` from that client's ``base_url``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ import asyncio
 import json
 from typing import Any
 
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI
 
 ADD_TOOL: Any = {"type": "function", "function": {
@@ -135,6 +141,63 @@ async def sleepy(task: dict[str, Any], client: AsyncOpenAI) -> float:
     return 1.0
 
 
-ALL = ("plain", "streaming", "tools", "rewrite", "raises", "silent", "sleepy")
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers and return the sum."""
+    return a + b
+
+
+async def langchain(task: dict[str, Any], client: AsyncOpenAI) -> dict[str, Any]:
+    """LangChain's ``ChatOpenAI`` on the session: a plain ``ainvoke``, then ``bind_tools([add])`` until the model
+    answers without a tool call (the tools appearing is a rewrite of the prompt: a second segment)."""
+    llm = ChatOpenAI(base_url=str(client.base_url), api_key=client.api_key, model="policy",
+                     max_completion_tokens=task.get("max_tokens", 48), temperature=task.get("temperature", 1.0))
+    messages: list[BaseMessage] = [SystemMessage("You are a careful calculator."),
+                                   HumanMessage(f"What is {task['a']} + {task['b']}?")]
+    first = await llm.ainvoke(messages)
+    messages += [first, HumanMessage("Use the add tool to check.")]
+    with_tools = llm.bind_tools([add])
+    calls, answer = 0, ""
+    for _ in range(3):
+        msg = await with_tools.ainvoke(messages)
+        assert isinstance(msg, AIMessage)
+        messages.append(msg)
+        if not msg.tool_calls:
+            answer = msg.text
+            break
+        for call in msg.tool_calls:
+            calls += 1
+            result = await add.ainvoke(call["args"]) if call["name"] == "add" else f"error: no tool {call['name']}"
+            messages.append(ToolMessage(str(result), tool_call_id=call["id"] or ""))
+    total = str(task["a"] + task["b"])
+    usage = first.usage_metadata["total_tokens"] if first.usage_metadata else None  # LangChain read our usage
+    return {"reward": float(total in answer), "answer": answer,
+            "info": {"tool_calls": calls, "first": first.text, "usage": usage}}
+
+
+@function_tool
+def add_numbers(a: int, b: int) -> int:
+    """Add two integers and return the sum."""
+    return a + b
+
+
+async def openai_agents(task: dict[str, Any], client: AsyncOpenAI) -> dict[str, Any]:
+    """The OpenAI Agents SDK with its chat-completions model on the session client: one ``Runner.run`` of an agent
+    with a function tool (tracing off: nothing leaves the machine)."""
+    agent = Agent(name="adder", instructions="Use the add_numbers tool to add numbers, then state the sum.",
+                  tools=[add_numbers], model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+                  model_settings=ModelSettings(max_tokens=task.get("max_tokens", 48), parallel_tool_calls=False,
+                                               temperature=task.get("temperature", 1.0), top_logprobs=1,
+                                               metadata={"suite": "agents"}))
+    result = await Runner.run(agent, f"What is {task['a']} + {task['b']}?", max_turns=3,
+                              run_config=RunConfig(tracing_disabled=True))
+    answer = str(result.final_output)
+    calls = sum(1 for item in result.new_items if item.type == "tool_call_item")
+    total = str(task["a"] + task["b"])
+    return {"reward": float(total in answer), "answer": answer,
+            "info": {"tool_calls": calls, "requests": result.context_wrapper.usage.requests}}
+
+
+ALL = ("plain", "streaming", "tools", "rewrite", "raises", "silent", "sleepy", "langchain", "openai_agents")
 AGENTS_SETTING = ",".join(f"{name}=tests.agents:{name}" for name in ALL)
 """``ROLLOUT_AGENTS`` registering every agent above."""

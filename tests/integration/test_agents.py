@@ -1,5 +1,6 @@
-"""Agent functions as episodes through a real env-worker process (session endpoint, ``openai`` SDK) and a real
-recorder, on real NATS + Postgres, with a scripted policy answering the turns (so the tool calls are exact).
+"""Agent functions as episodes through a real env-worker process (session endpoint; the ``openai`` SDK,
+LangChain and the OpenAI Agents SDK) and a real recorder, on real NATS + Postgres, with a scripted policy
+answering the turns (so the tool calls are exact).
 
 The same agents against the real model through vLLM: tests/e2e/test_agents_vllm.py.
 """
@@ -83,6 +84,11 @@ async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NAT
         "sleepy": ({"question": "x"}, ["zzz"]),
         "calculator": ({"question": "What is 17 * 3?", "answer": 51},
                        [format_call("calculate", {"expression": "17 * 3"}), "17 * 3 = 51.0"]),
+        # LangChain: plain ainvoke, then bind_tools (the tools change the prompt: a new segment), tool, answer
+        "langchain": ({"a": 4, "b": 5}, ["Maybe 9.", f"Let me check. {format_call('add', {'a': 4, 'b': 5})}",
+                                         "The sum is 9."]),
+        # the OpenAI Agents SDK (OpenAIChatCompletionsModel + Runner.run): tool call, tool output, final answer
+        "openai_agents": ({"a": 6, "b": 7}, [format_call("add_numbers", {"a": 6, "b": 7}), "The sum is 13."]),
     }
     items = {}
     held = work_item("plain", {"question": "held"}, max_turns=4)  # its first generation never returns in time
@@ -97,16 +103,30 @@ async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NAT
         assert resp.status_code == 201, resp.text
     ends = {name: await terminal_of(js, item.episode_id, timeout_s=60) for name, item in items.items()}
 
-    for name in ("plain", "streaming", "tools", "rewrite", "calculator"):
+    turns = {"langchain": 3}
+    for name in ("plain", "streaming", "tools", "rewrite", "calculator", "langchain", "openai_agents"):
         assert ends[name].type == "episode.finished", (name, ends[name])
-        assert ends[name].status == "completed" and ends[name].num_turns == 2
+        assert ends[name].status == "completed" and ends[name].num_turns == turns.get(name, 2), (name, ends[name])
+        assert ends[name].info["token_check"] == "ok", (name, ends[name].info)
     assert ends["plain"].reward == 1.0 and ends["plain"].info["answer"] == "Again: 4."
     assert ends["streaming"].reward == 1.0 and ends["calculator"].reward == 1.0
     assert ends["tools"].reward == 1.0 and ends["tools"].info["agent_info"] == {"tool_calls": 1}
     assert ends["rewrite"].info["drifts"] == [{"turn": 0, "class": "history_rewrite"}]
+    lc, oa = ends["langchain"], ends["openai_agents"]
+    assert lc.reward == 1.0 and lc.info["answer"] == "The sum is 9." and lc.info["model_calls"] == 3
+    assert lc.info["agent_info"] == {"tool_calls": 1, "first": "Maybe 9.", "usage": lc.info["agent_info"]["usage"]}
+    assert lc.info["agent_info"]["usage"] > 0  # LangChain read our usage
+    # only the tools appearing is a rewrite; the tool round trip through LangChain's messages extends the context
+    assert lc.info["drifts"] == [{"turn": 0, "class": "history_rewrite"}]
+    assert oa.reward == 1.0 and oa.info["answer"] == "The sum is 13." and "drifts" not in oa.info
+    assert oa.info["agent_info"] == {"tool_calls": 1, "requests": 2}
     # the batch's sampling unless the call sets its own: plain asked for top_logprobs=2 and seed 1
     first = next(r for r in policy.requests if r.episode_id == items["plain"].episode_id)
     assert first.sampling.logprobs == 2 and first.sampling.seed == 1 and first.max_tokens == 24
+    sdk_requests = {name: [r for r in policy.requests if r.episode_id == items[name].episode_id]
+                    for name in ("langchain", "openai_agents")}
+    assert [r.max_tokens for r in sdk_requests["langchain"]] == [48] * 3  # max_completion_tokens
+    assert [(r.max_tokens, r.sampling.logprobs) for r in sdk_requests["openai_agents"]] == [(48, 1)] * 2
 
     raised, silent, sleepy = ends["raises"], ends["silent"], ends["sleepy"]
     assert (raised.type, raised.failure_class) == ("episode.failed", "agent")
@@ -126,11 +146,19 @@ async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NAT
             return bool(n == len(items))
 
         wait_for(recorded, 30, "every agent episode recorded")
-        for name in ("plain", "streaming", "tools", "rewrite", "calculator"):
+        for name in ("plain", "streaming", "tools", "rewrite", "calculator", "langchain", "openai_agents"):
             assert check_token_exact(sql, items[name].batch_id) == 1
             tr = check_segments(sql, items[name].episode_id)
-            assert tr["num_segments"] == (2 if name == "rewrite" else 1)
+            assert tr["num_segments"] == (2 if name in ("rewrite", "langchain") else 1)
             assert len(spans(tr)) == tr["num_segments"]  # the exporter's training samples: one per segment
+        for name, result in (("langchain", 9), ("openai_agents", 13)):
+            sdk_tr = sql.rows("select token_ids, action_ranges from trajectories where episode_id = :e",
+                              e=items[name].episode_id)[0]
+            sdk_text = policy.tok.decode(sdk_tr["token_ids"])
+            assert f"<tool_response>\n{result}\n</tool_response>" in sdk_text and "<tools>" in sdk_text, name
+            # the sampled ids are the scripted turns, verbatim
+            sampled = [policy.tok.decode(sdk_tr["token_ids"][a:b]) for a, b in sdk_tr["action_ranges"]]
+            assert sampled == [f"{text}<|im_end|>" for text in scripts[name][1]], (name, sampled)
         tools_tr = sql.rows("select token_ids from trajectories where episode_id = :e",
                             e=items["tools"].episode_id)[0]
         tok = policy.tok

@@ -8,7 +8,7 @@ real model, NATS and Postgres is tested in tests/e2e/test_agents_vllm.py.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -56,6 +56,18 @@ CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool
     ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function",
                                                                       "function": {"name": "nope"}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": {
+        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+            {"type": "function", "function": {"name": "nope"}}]}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+      "tool_choice": {"type": "custom", "custom": {"name": "add"}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "any"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "add"}]}, "functions"),
+    ({"messages": [{"role": "user", "content": "hi"}], "function_call": "auto"}, "function_call"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "final_output", "schema": {}}}},
+     "response_format"),
 ])
 def test_bad_requests_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as err:
@@ -64,6 +76,43 @@ def test_bad_requests_are_400_naming_the_field(body: dict[str, Any], param: str)
     assert err.value.param is not None and err.value.param.startswith(param)
     assert err.value.body()["error"]["type"] == "invalid_request_error"
     assert param in err.value.message
+
+
+STRICT_ADD: Any = {"type": "function", "function": {
+    "name": "add_numbers", "description": "Add two integers and return the sum.", "strict": True,
+    "parameters": {"properties": {"a": {"title": "A", "type": "integer"}, "b": {"title": "B", "type": "integer"}},
+                   "required": ["a", "b"], "title": "add_numbers_args", "type": "object",
+                   "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("body", [
+    pytest.param({  # OpenAIChatCompletionsModel with ModelSettings(...) (Runner.run_streamed)
+        "model": "policy", "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"content": "Use the tool.", "role": "system"}, {"role": "user", "content": "2+3?"}],
+        "tools": [STRICT_ADD], "tool_choice": {"type": "function", "function": {"name": "add_numbers"}},
+        "parallel_tool_calls": False, "store": False, "metadata": {"suite": "agents"}, "logprobs": True,
+        "top_logprobs": 1, "max_tokens": 48, "temperature": 0.3, "verbosity": "low", "reasoning_effort": "low",
+        "prompt_cache_retention": "in_memory"}, id="openai-agents"),
+    pytest.param({  # ChatOpenAI(stream_usage=True).bind_tools([add], tool_choice="any", strict=True).astream
+        "model": "policy", "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
+        "max_completion_tokens": 48, "temperature": 0.7, "tool_choice": "required", "parallel_tool_calls": False,
+        "messages": [{"content": "sys", "role": "system"}, {"content": "hi", "role": "user", "name": "ann"}],
+        "tools": [STRICT_ADD]}, id="langchain"),
+    pytest.param({  # OpenAI's allowed_tools choice, and nulls where OpenAI takes null for "unset"
+        "messages": [{"role": "user", "content": "hi"}], "tools": [STRICT_ADD], "stream": None, "n": None,
+        "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": "add_numbers"}}]}},
+        "stream_options": {"include_usage": None}, "logit_bias": {}, "seed": None, "user": "u",
+        "prompt_cache_key": "k", "safety_identifier": "s", "service_tier": "auto", "modalities": ["text"],
+        "a_field_nobody_knows": {"x": 1}}, id="allowed-tools-and-nulls"),
+])
+def test_what_the_sdks_send_is_accepted(body: dict[str, Any]) -> None:
+    req = parse_request(body)
+    assert req.parses_tool_calls
+    assert req.include_usage == bool(body.get("stream_options", {}).get("include_usage"))
+    assert req.completion_limit == body.get("max_tokens", body.get("max_completion_tokens"))
+    schemas = req.tool_schemas
+    assert schemas is not None and schemas[0]["function"]["strict"] is True  # rendered as sent
 
 
 def test_messages_are_normalised() -> None:
@@ -350,3 +399,115 @@ def test_agent_results() -> None:
     for bad in bads:
         with pytest.raises(ValueError):
             agent_result(bad)
+
+
+# --- LangChain and the OpenAI Agents SDK on a live endpoint ---------------------------------------------
+@dataclass
+class Live:
+    """The session app on a real socket (LangChain builds its own HTTP client from a URL), one session each."""
+
+    registry: SessionRegistry
+    episodes: dict[str, ScriptedEpisode]
+    sessions: dict[str, AgentSession]
+
+    def client(self, episode_id: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.registry.url(episode_id), api_key="k", max_retries=0)
+
+
+@pytest.fixture
+async def live(tok: ChatTokenizer) -> AsyncIterator[Callable[[dict[str, list[str]]], Live]]:
+    from rollout_ledger.shared.runtime import HttpServer
+
+    registry = SessionRegistry("SmolLM2-135M-Instruct")
+    server = HttpServer(session_app(registry), "127.0.0.1", 0)
+    await server.start()
+    registry.base_url = f"http://127.0.0.1:{server.port}"
+
+    def open_sessions(scripts: dict[str, list[str]]) -> Live:
+        episodes = {ep: ScriptedEpisode(tok, script) for ep, script in scripts.items()}
+        sessions = {ep: AgentSession(episode, TurnTemplate(tok), registry.model_name)
+                    for ep, episode in episodes.items()}
+        for ep, session in sessions.items():
+            registry.open(ep, session)
+        return Live(registry, episodes, sessions)
+
+    yield open_sessions
+    await server.stop()
+
+
+def _check_contexts(episode: ScriptedEpisode, transcript: Transcript, tok: ChatTokenizer) -> None:
+    """Every request after the first was the previous one + its sampled ids + the step's delta (no new segment),
+    or the step's whole re-rendered context (new segment); decode == render for every segment."""
+    for t in range(1, len(episode.requests)):
+        prev, ctx = episode.requests[t - 1][0].tolist(), episode.requests[t][0].tolist()
+        step = episode.steps[t - 1]
+        sampled = [*tok.encode(episode.script[t - 1]).tolist(), tok.tokenizer.token_to_id(EOS)]
+        assert ctx == (step["ids"] if step["new_segment"] else prev + sampled + step["ids"])
+    assert transcript.check_results() == [True] * len(transcript.segments)
+
+
+async def test_langchain_and_the_openai_agents_sdk_are_token_exact(live: Callable[[dict[str, list[str]]], Live],
+                                                                    tok: ChatTokenizer) -> None:
+    from tests.agents import langchain, openai_agents
+
+    add_call = CALL_TEXT.replace('"add"', '"add_numbers"')
+    served = live({"lc": ["Maybe 5.", f"Let me check. {CALL_TEXT}", "The sum is 5."],
+                   "oa": [add_call, "The sum is 5."]})
+    task = {"a": 2, "b": 3, "temperature": 0.5}
+    lc_client, oa_client = served.client("lc"), served.client("oa")
+    lc = await langchain(task, lc_client)
+    oa = await openai_agents(task, oa_client)
+    await lc_client.close()
+    await oa_client.close()
+    assert lc == {"reward": 1.0, "answer": "The sum is 5.", "info": {"tool_calls": 1, "first": "Maybe 5.",
+                                                                      "usage": lc["info"]["usage"]}}
+    assert oa == {"reward": 1.0, "answer": "The sum is 5.", "info": {"tool_calls": 1, "requests": 2}}
+    for ep, session in served.sessions.items():
+        await session.finish(1.0)
+        episode, transcript = served.episodes[ep], session.transcript
+        assert transcript is not None
+        _check_contexts(episode, transcript, tok)
+        assert all(r[1].temperature == 0.5 and r[2] == 48 for r in episode.requests)
+    lc_steps, oa_steps = served.episodes["lc"].steps, served.episodes["oa"].steps
+    # LangChain: bind_tools adds the tools to the prompt (a rewrite: new segment); the tool round trip extends it
+    assert [(s["new_segment"], s["drift"]) for s in lc_steps] == [(True, "history_rewrite"), (False, None),
+                                                                 (False, None)]
+    (tool_result,) = lc_steps[1]["observation"]
+    assert tool_result["role"] == "tool" and tool_result["content"] == "5"
+    assert tool_result["tool_call_id"].startswith("call_")  # the id we returned, sent back by LangChain
+    assert [(s["new_segment"], s["drift"]) for s in oa_steps] == [(False, None), (False, None)]
+    assert served.episodes["oa"].requests[0][1].logprobs == 1  # ModelSettings(top_logprobs=1)
+
+
+async def test_an_openai_agents_sdk_streamed_run(live: Callable[[dict[str, list[str]]], Live],
+                                                 tok: ChatTokenizer) -> None:
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner
+
+    from tests.agents import add_numbers
+
+    add_call = CALL_TEXT.replace('"add"', '"add_numbers"')
+    served = live({"s": [f"Adding. {add_call}", "It is 5 🎲."]})
+    client = served.client("s")
+    agent = Agent(name="adder", instructions="Add.", tools=[add_numbers],
+                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=True, include_usage=True))
+    result = Runner.run_streamed(agent, "2 + 3?", max_turns=3, run_config=RunConfig(tracing_disabled=True))
+    deltas = [e async for e in result.stream_events() if e.type == "raw_response_event"]
+    await client.close()
+    assert result.final_output == "It is 5 🎲." and deltas
+    usage = result.context_wrapper.usage
+    # include_usage: the SDK summed our usage chunks (sampled ids, end-of-turn included)
+    assert usage.requests == 2
+    assert usage.output_tokens == sum(len(tok.encode(t)) + 1 for t in served.episodes["s"].script)
+    session = served.sessions["s"]
+    await session.finish(1.0)
+    assert session.transcript is not None
+    _check_contexts(served.episodes["s"], session.transcript, tok)
+    assert [s["drift"] for s in served.episodes["s"].steps] == [None, None]  # tool_choice reset: same tools
+
+
+async def test_the_responses_api_is_a_404_naming_the_chat_model(served: Served) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        await served.client.responses.create(model="p", input="hi")
+    assert err.value.code == "responses_api_not_supported" and "OpenAIChatCompletionsModel" in err.value.message
+    assert served.episode.requests == []

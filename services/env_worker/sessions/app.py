@@ -2,7 +2,8 @@
 registry of the sessions open in this worker.
 
 Served by the env worker on its own port (``session_port``), next to the ops server. Every error is in the
-OpenAI shape, so SDKs raise their usual ``BadRequestError`` / ``NotFoundError`` with our message.
+OpenAI shape, so SDKs raise their usual ``BadRequestError`` / ``NotFoundError`` with our message (the
+Responses API, what the OpenAI Agents SDK uses unless given its chat-completions model, is a 404 saying so).
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ def session_app(registry: SessionRegistry) -> FastAPI:
     async def model(episode_id: str, model_id: str) -> dict[str, Any]:
         registry.get(episode_id)
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "rollout-ledger"}
+
+    @app.api_route(PREFIX + "/responses", methods=["GET", "POST"])
+    @app.api_route(PREFIX + "/responses/{rest:path}", methods=["GET", "POST", "DELETE"])
+    async def responses(episode_id: str) -> Response:
+        raise ApiError(404, "this endpoint serves chat completions, not the Responses API: with the OpenAI Agents "
+                       "SDK give the agent OpenAIChatCompletionsModel(model=..., openai_client=client); with "
+                       "LangChain leave use_responses_api off", code="responses_api_not_supported",
+                       type_="not_found_error")
 
     @app.post(PREFIX + "/chat/completions")
     async def chat_completions(episode_id: str, request: Request) -> Response:

@@ -2,9 +2,13 @@
 and errors in the OpenAI shape (``{"error": {"message", "type", "param", "code"}}``).
 
 Requests are validated here and nowhere else. Fields the SDKs send that change nothing for us (``user``,
-``metadata``, ``parallel_tool_calls``, ``store``, ...) are accepted and ignored; fields that would change the
-sampling in a way the engine cannot honour (``n > 1``, penalties, structured output) are refused with a 400
-that names the field, never silently dropped.
+``metadata``, ``parallel_tool_calls``, ``store``, ``verbosity``, ``prompt_cache_key``, ..., and any field we do
+not know, as vLLM does) are accepted and ignored; fields that would change the sampling or the reply in a way
+the engine cannot honour (``n > 1``, penalties, ``logit_bias``, structured output, the legacy ``functions``
+API) are refused with a 400 that names the field, never silently dropped. ``tool_choice`` takes every shape
+OpenAI's chat completions define for function tools (``none``/``auto``/``required``, a named function,
+``allowed_tools``); like ``required``, a forced or restricted choice is not enforced on the sampler (the
+model sees every tool; its calls are parsed from its text).
 """
 
 from __future__ import annotations
@@ -68,11 +72,37 @@ class NamedToolChoice(BaseModel):
         return str(self.function.get("name", ""))
 
 
+class AllowedTools(BaseModel):
+    """The body of an ``allowed_tools`` choice: the tools the model may call, and whether it must call one."""
+
+    model_config = ConfigDict(extra="allow")
+
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]] = Field(min_length=1)
+
+    @property
+    def names(self) -> list[str]:
+        return [str((t.get("function") or {}).get("name", "")) for t in self.tools]
+
+
+class AllowedToolsChoice(BaseModel):
+    """``tool_choice`` restricting the calls to some of the tools (``{"type": "allowed_tools", ...}``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+TOOL_CHOICES = ("'none', 'auto', 'required', {'type': 'function', 'function': {'name': ...}} or "
+                "{'type': 'allowed_tools', 'allowed_tools': {'mode': ..., 'tools': [...]}}")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: bool = False
-    """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
+    include_usage: bool | None = None
+    """Send a last chunk with ``usage`` (and no choices) before ``[DONE]`` (null: no)."""
 
 
 class ChatRequest(BaseModel):
@@ -84,7 +114,7 @@ class ChatRequest(BaseModel):
     """Echoed back; the session's policy answers whatever is named."""
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
@@ -99,6 +129,22 @@ class ChatRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    functions: list[Any] | None = None
+    """The legacy function-calling API (refused: send ``tools``)."""
+    function_call: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, data: Any) -> Any:
+        """A ``tool_choice`` of no known shape is refused naming the shapes (not pydantic's union errors)."""
+        choice = data.get("tool_choice") if isinstance(data, dict) else None
+        known = choice is None or choice in ("none", "auto", "required") or (
+            isinstance(choice, dict) and choice.get("type") in ("function", "allowed_tools"))
+        if not known:
+            got = choice.get("type") if isinstance(choice, dict) else choice
+            raise ValueError(f"tool_choice: must be {TOOL_CHOICES} (only function tools exist here), got {got!r}")
+        return data
 
     @model_validator(mode="after")
     def _supported(self) -> ChatRequest:
@@ -109,12 +155,22 @@ class ChatRequest(BaseModel):
                 raise ValueError(f"{name}: not supported by the rollout engine (leave it unset or 0)")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise ValueError("response_format: only {'type': 'text'} is supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported by the rollout engine (leave it unset or empty)")
+        if self.functions is not None or self.function_call is not None:
+            name = "functions" if self.functions is not None else "function_call"
+            raise ValueError(f"{name}: the legacy function-calling API is not supported; send tools instead")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = {t.function.name for t in self.tools or ()}
             if self.tool_choice.name not in names:
                 raise ValueError(f"tool_choice: names {self.tool_choice.name!r}, which is not among the tools")
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            names = {t.function.name for t in self.tools or ()}
+            unknown = [n for n in self.tool_choice.allowed_tools.names if n not in names]
+            if unknown:
+                raise ValueError(f"tool_choice: allowed_tools names {unknown[0]!r}, which is not among the tools")
         if self.tool_choice == "required" and not self.tools:
             raise ValueError("tool_choice: 'required' needs tools")
         return self
