@@ -1,7 +1,8 @@
 """Exporter benchmark: 100,000 stored trajectories exported from Postgres, against writing the same arrays
 straight with pyarrow; peak memory of the export process.
 
-Three figures, each in its own process (so peak RSS is that path's own):
+Three figures, each in its own process (so peak RSS is that path's own), with the CPU seconds each path took in
+its own process and in Postgres (steadier than wall time on a shared machine):
 
 - ``export``: `rollout export`'s path (SQL selection with GRPO advantages, server-side cursor, array decoding,
   record mapping, Arrow conversion, Parquet writing), timed end to end;
@@ -91,24 +92,39 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process so far (every thread; user + system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def server_cpu_s(postmaster_pid: int | None) -> float:
+    """CPU seconds of the Postgres backends that have exited (the postmaster's reaped children)."""
+    if postmaster_pid is None:
+        return float("nan")
+    fields = Path(f"/proc/{postmaster_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+
+
 def child_export(url: str, out: Path, fmt: str, chunk: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     res = export(url, Selection(), out, fmt, chunk=chunk)
-    return {"seconds": time.perf_counter() - t0, "records": res.records, "bytes": out.stat().st_size,
-            "peak_rss_mb": peak_rss_mb()}
+    return {"seconds": time.perf_counter() - t0, "cpu": cpu_s() - c0, "records": res.records,
+            "bytes": out.stat().st_size, "peak_rss_mb": peak_rss_mb()}
 
 
 def child_write(src: Path, out: Path) -> dict[str, Any]:
     table = pq.read_table(src)
     table = table.replace_schema_metadata(None)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     pq.write_table(table, out)
-    return {"seconds": time.perf_counter() - t0, "records": table.num_rows, "peak_rss_mb": peak_rss_mb()}
+    return {"seconds": time.perf_counter() - t0, "cpu": cpu_s() - c0, "records": table.num_rows,
+            "peak_rss_mb": peak_rss_mb()}
 
 
 def child_straight(url: str, out: Path, chunk: int) -> dict[str, Any]:
     """The same arrays, one plain query, straight into pyarrow (no selection, records or advantages)."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     schema = pa.schema([("episode_id", pa.string()), ("reward", pa.float64())]
                        + [(c, pa.list_(pa.float32() if c == "logprobs" else pa.int32())) for c in ARRAY_COLUMNS])
     writer = pq.ParquetWriter(str(out), schema)
@@ -127,16 +143,20 @@ def child_straight(url: str, out: Path, chunk: int) -> dict[str, Any]:
             writer.write_table(pa.Table.from_arrays(cols, schema=schema))
             count += len(rows)
     writer.close()
-    return {"seconds": time.perf_counter() - t0, "records": count, "peak_rss_mb": peak_rss_mb()}
+    return {"seconds": time.perf_counter() - t0, "cpu": cpu_s() - c0, "records": count, "peak_rss_mb": peak_rss_mb()}
 
 
-def run_child(repeat: int, *args: str) -> dict[str, Any]:
-    """The fastest of ``repeat`` runs of one path, each in a fresh process (peak RSS: the largest seen)."""
+def run_child(repeat: int, postmaster_pid: int | None, *args: str) -> dict[str, Any]:
+    """The fastest of ``repeat`` runs of one path, each in a fresh process (peak RSS: the largest seen), with the
+    CPU seconds it took in its own process and in Postgres."""
     runs = []
     for _ in range(repeat):
+        s0 = server_cpu_s(postmaster_pid)
         out = subprocess.run([sys.executable, "-m", "bench.export", "--child", *args], check=True,
                              capture_output=True, text=True)
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        time.sleep(0.2)  # the backend exits after the client: let the postmaster reap it
+        run = json.loads(out.stdout.strip().splitlines()[-1])
+        runs.append({**run, "server_cpu": server_cpu_s(postmaster_pid) - s0})
     best = min(runs, key=lambda r: r["seconds"])
     return {**best, "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "all_seconds": [r["seconds"] for r in runs]}
 
@@ -162,22 +182,25 @@ def main() -> None:
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}")
     with LocalInfra() as infra, tempfile.TemporaryDirectory(prefix="rl-bench-export-") as tmp:
         url = infra.database_url
+        pid_file = infra.postgres.datadir / "postmaster.pid" if infra.postgres else None
+        pm = int(pid_file.read_text().split()[0]) if pid_file and platform.system() == "Linux" else None
         upgrade(url)
         secs = seed(url, n)
         print(f"seeded {n:,} trajectories x {LENGTH} tokens in {secs:.1f}s")
         d = Path(tmp)
         results: dict[str, dict[str, Any]] = {}
         for fmt in ("parquet", "slime"):
-            results[f"export {fmt}"] = run_child(args.repeat, "export", url, str(d / f"{fmt}.parquet"), fmt)
-            results[f"pyarrow-write {fmt}"] = run_child(args.repeat, "write", str(d / f"{fmt}.parquet"),
+            results[f"export {fmt}"] = run_child(args.repeat, pm, "export", url, str(d / f"{fmt}.parquet"), fmt)
+            results[f"pyarrow-write {fmt}"] = run_child(args.repeat, pm, "write", str(d / f"{fmt}.parquet"),
                                                         str(d / f"w-{fmt}.parquet"))
-        results["straight"] = run_child(args.repeat, "straight", url, str(d / "straight.parquet"))
+        results["straight"] = run_child(args.repeat, pm, "straight", url, str(d / "straight.parquet"))
         tokens = n * LENGTH
-        print(f"{'path':<24}{'records':>10}{'seconds':>9}{'traj/s':>10}{'Mtok/s':>8}{'peak RSS MB':>13}")
+        print(f"{'path':<24}{'records':>10}{'seconds':>9}{'traj/s':>10}{'Mtok/s':>8}{'peak RSS MB':>13}"
+              f"{'CPU s':>7}{'PG CPU s':>9}")
         for name, r in results.items():
             print(f"{name:<24}{r['records']:>10,}{r['seconds']:>9.2f}{n / r['seconds']:>10,.0f}"
-                  f"{tokens / r['seconds'] / 1e6:>8.2f}{r['peak_rss_mb']:>13.0f}   runs: "
-                  + " ".join(f"{x:.2f}" for x in r["all_seconds"]))
+                  f"{tokens / r['seconds'] / 1e6:>8.2f}{r['peak_rss_mb']:>13.0f}{r['cpu']:>7.2f}"
+                  f"{r['server_cpu']:>9.2f}   runs: " + " ".join(f"{x:.2f}" for x in r["all_seconds"]))
         for fmt in ("parquet", "slime"):
             ratio = results[f"pyarrow-write {fmt}"]["seconds"] / results[f"export {fmt}"]["seconds"]
             print(f"throughput ratio export/pyarrow-write ({fmt}): {ratio:.2f} (target >= 0.5)")

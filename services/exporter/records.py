@@ -1,8 +1,9 @@
 """Pure mapping of a selected trajectory row to each trainer's sample shape (no I/O).
 
-A row (``rows.decode_row``) holds the trajectory's aligned arrays as numpy (``token_ids``, ``loss_mask``,
-``logprobs``, ``weight_versions``), ``action_ranges`` and ``segments`` as ``[start, end)`` lists, the chosen
-``reward``, the group ``advantage`` and ids. A trajectory becomes one sample per **span**:
+A row (``rows.decode_rows``) holds the trajectory's aligned arrays as numpy (``token_ids``, ``loss_mask``,
+``logprobs``, ``weight_versions``), ``action_ranges`` and ``segments`` as ``[start, end)`` lists (and, optionally,
+``range_versions``: the weight version of each action range), the chosen ``reward``, the group ``advantage`` and
+ids. A trajectory becomes one sample per **span**:
 
 - unit ``segment`` (default): one span per segment (a context the policy saw). Its prompt is the segment's
   tokens before its first sampled token (segment 0: the rendered prompt; a later segment: the re-rendered
@@ -77,8 +78,12 @@ def _label(row: Mapping[str, Any]) -> str:
 
 def _versions(row: Mapping[str, Any], lo: int, hi: int) -> list[int]:
     """Distinct weight versions of the sampled turns in [lo, hi) (a turn is sampled by one version)."""
-    wv = row["weight_versions"]
-    return sorted({int(wv[a]) for a, b in row["action_ranges"] if lo <= a < hi and b > a and wv[a] >= 0})
+    per_range = row.get("range_versions")
+    if per_range is None:
+        wv = row["weight_versions"]
+        per_range = [int(wv[a]) if b > a else -1 for a, b in row["action_ranges"]]
+    return sorted({v for (a, b), v in zip(row["action_ranges"], per_range, strict=True)
+                   if lo <= a < hi and b > a and v >= 0})
 
 
 def _reward_source(row: Mapping[str, Any]) -> str:

@@ -10,9 +10,10 @@ import pytest
 
 from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec, group_advantages
 from rollout_ledger.services.exporter.records import SCHEMAS, Span, Unit, records, slime, spans, trl, verl
-from rollout_ledger.services.exporter.rows import decode_array, decode_column
+from rollout_ledger.services.exporter.rows import decode_array, decode_column, decode_rows, rebuild_sampled
 from rollout_ledger.services.exporter.selection import RewardChoice, Selection
 from rollout_ledger.services.exporter.writers import to_table
+from rollout_ledger.services.recorder.assembly import StepRecord, Trajectory, TurnRecord, assemble
 from rollout_ledger.shared.errors import SchemaError
 
 
@@ -113,6 +114,63 @@ def test_decode_array_send_layouts() -> None:
     assert [r.tolist() for r in rows] == [[7, 8], [], [], [2**31 - 1, -(2**31)]]
     with pytest.raises(SchemaError):
         decode_column([send("i", [1, 2])[:-2]], 4, np.dtype("<i4"))
+
+
+def _send(fmt: str, values: list) -> bytes:
+    """``array_send`` of a one-dimensional array (int4 ``i``, int2 ``h``, float4 ``f``)."""
+    if not values:
+        return struct.pack(">iii", 0, 0, 23)
+    head = struct.pack(">iiiii", 1, 0, 23, len(values), 1)
+    return head + b"".join(struct.pack(">i" + fmt, struct.calcsize(">" + fmt), v) for v in values)
+
+
+def _assembled(rng: np.random.Generator, index: int) -> Trajectory:
+    """A random trajectory as the recorder assembles it: turns with 0-5 sampled ids (0: an empty turn), 0-4
+    observation ids, some steps starting a new segment, a weight version per turn."""
+    pairs = []
+    for t in range(int(rng.integers(0, 6))):
+        n = int(rng.integers(0, 6))
+        turn = TurnRecord(f"e{index}:t{t}", t, 0, rng.integers(0, 100, n).astype(np.int32),
+                          -rng.random(n).astype(np.float32), int(rng.integers(0, 4)))
+        pairs.append((turn, StepRecord(f"e{index}:s{t}", t, turn.event_id, rng.integers(0, 100, int(
+            rng.integers(0, 5))).astype(np.int32), 0.0, new_segment=bool(rng.random() < 0.3))))
+    return assemble(rng.integers(0, 100, int(rng.integers(1, 5))).astype(np.int32), pairs)
+
+
+def test_rebuilt_mask_and_versions_equal_what_assembly_stores() -> None:
+    rng = np.random.default_rng(7)
+    trajs = [_assembled(rng, i) for i in range(300)]
+    ranges = [t.action_ranges for t in trajs]
+    versions = [[int(t.weight_versions[a]) for a, _ in r] for t, r in zip(trajs, ranges, strict=True)]
+    masks, wvs = rebuild_sampled([t.num_tokens for t in trajs], ranges, versions)
+    for t, mask, wv in zip(trajs, masks, wvs, strict=True):
+        assert mask.tolist() == t.loss_mask.tolist() and wv.tolist() == t.weight_versions.tolist()
+    assert rebuild_sampled([], [], []) == ([], [])
+
+
+def test_decode_rows_reads_two_arrays_and_rebuilds_two() -> None:
+    rows = [{"token_ids": _send("i", [5, 6, 7, 8, 9]), "logprobs": _send("f", [0, -0.5, -0.25, 0, 0]),
+             "action_ranges": [[1, 3], [4, 4]], "range_versions": [2, None], "segments": None},
+            {"token_ids": _send("i", []), "logprobs": _send("f", []), "action_ranges": None, "range_versions": None,
+             "segments": None}]
+    first, empty = decode_rows(rows)
+    assert first["token_ids"].tolist() == [5, 6, 7, 8, 9] and first["logprobs"].tolist() == [0, -0.5, -0.25, 0, 0]
+    assert first["loss_mask"].tolist() == [0, 1, 1, 0, 0] and first["weight_versions"].tolist() == [-1, 2, 2, -1, -1]
+    assert first["segments"] == [[0, 5]] and first["range_versions"] == [2, None]
+    assert empty["loss_mask"].tolist() == [] and empty["action_ranges"] == [] and empty["segments"] == [[0, 0]]
+
+
+@pytest.mark.parametrize(("ranges", "versions", "match"), [
+    ([[[3, 7]]], [[1]], "outside"),
+    ([[[2, 1]]], [[1]], "outside"),
+    ([[[0, 3], [2, 4]]], [[1, 1]], "overlap"),
+    ([[[0, 2]]], [[]], "one weight version per action range"),
+    ([[[0, 2, 3]]], [[1]], "malformed"),
+    ([[[0, 1, 2, 3]]], [[1]], "pairs"),
+])
+def test_rebuild_refuses_ranges_that_do_not_fit(ranges: list, versions: list, match: str) -> None:
+    with pytest.raises(SchemaError, match=match):
+        rebuild_sampled([5], ranges, versions)
 
 
 def test_advantage_arithmetic_on_known_groups() -> None:
