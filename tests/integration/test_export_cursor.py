@@ -124,6 +124,16 @@ def test_one_live_reader_per_consumer(database_url: str, tmp_path: Path) -> None
         Follower(database_url, "bad.name", Selection(), tmp_path, "jsonl")
 
 
+def consumer_claimed(database_url: str, consumer: str) -> bool:
+    """Whether some session holds the consumer's advisory lock (a live `rollout export --consumer` reader)."""
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
+            "(classid::bigint << 32 | objid::bigint) = hashtextextended(%s, 0) AND objsubid = 1",
+            (f"rollout-export:{consumer}",)).fetchone()
+    return bool(row and row[0])
+
+
 def test_killed_follow_process_delivers_everything_exactly_once(database_url: str, tmp_path: Path) -> None:
     """Trajectories keep landing while a real `rollout export --follow` is SIGKILLed three times mid-stream."""
     out = tmp_path / "out"
@@ -151,6 +161,9 @@ def test_killed_follow_process_delivers_everything_exactly_once(database_url: st
         assert seeded.wait(60)
         total = batches * 6
         wait_for(lambda: cursor(database_url, "trainer")[1] == total, 60, "every trajectory delivered")
+        # The last process may have had nothing left to deliver: wait until it holds the consumer (its signal
+        # handlers are installed before it claims the consumer's advisory lock), then stop it.
+        wait_for(partial(consumer_claimed, database_url, "trainer"), 60, "the last exporter to hold the consumer")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
     finally:
