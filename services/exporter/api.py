@@ -26,7 +26,6 @@ from rollout_ledger.services.exporter.advantages import AdvantageKind, Advantage
 from rollout_ledger.services.exporter.cursor import CursorError, Cursors, Read
 from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
 from rollout_ledger.services.exporter.selection import RewardChoice, Selection
-from rollout_ledger.services.exporter.source import connect
 from rollout_ledger.services.exporter.writers import to_table
 
 __all__ = ["AdvantageKind", "AdvantageSpec", "Batch", "CursorError", "RewardChoice", "Selection",
@@ -78,10 +77,8 @@ class TrajectoryReader:
         self.shape = fmt
         self.unit = unit
         self.batch_size = batch_size
-        self.conn: psycopg.Connection[Any] = connect(database_url)
-        self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        self.cursors = Cursors(self.conn, consumer)
-        self.cursors.claim(start)
+        self.cursors = Cursors.open(database_url, consumer, start)
+        self.conn: psycopg.Connection[Any] = self.cursors.conn
         self._pending: Batch | None = None
 
     def __enter__(self) -> TrajectoryReader:

@@ -30,7 +30,7 @@ import orjson
 import psycopg
 
 from rollout_ledger.services.exporter.selection import Scope, Selection
-from rollout_ledger.services.exporter.source import fetch
+from rollout_ledger.services.exporter.source import connect, fetch
 from rollout_ledger.shared.errors import RolloutError
 
 STARTS = ("earliest", "latest")
@@ -103,6 +103,20 @@ class Cursors:
     def __init__(self, conn: psycopg.Connection[Any], consumer: str) -> None:
         self.conn = conn
         self.consumer = check_consumer(consumer)
+
+    @classmethod
+    def open(cls, database_url: str, consumer: str, start: str = "earliest") -> Cursors:
+        """A claimed cursor on a new REPEATABLE READ connection (closed again when the claim fails)."""
+        check_consumer(consumer)
+        conn = connect(database_url)
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        try:
+            cursors = cls(conn, consumer)
+            cursors.claim(start)
+        except BaseException:
+            conn.close()
+            raise
+        return cursors
 
     def claim(self, start: str = "earliest") -> None:
         """Take the consumer's session advisory lock (one live reader per consumer) and make sure its row exists.

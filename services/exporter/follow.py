@@ -24,7 +24,6 @@ from rollout_ledger.services.exporter.cursor import Cursors, Position, Read
 from rollout_ledger.services.exporter.export import shape_and_file_type
 from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
 from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import connect
 from rollout_ledger.services.exporter.writers import write_file
 
 log = structlog.get_logger("rollout.exporter")
@@ -59,10 +58,8 @@ class Follower:
         self.out_dir = out_dir
         self.unit = unit
         self.batch_size = batch_size
-        self.conn: psycopg.Connection[Any] = connect(database_url)
-        self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        self.cursors = Cursors(self.conn, consumer)
-        self.cursors.claim(start)
+        self.cursors = Cursors.open(database_url, consumer, start)
+        self.conn: psycopg.Connection[Any] = self.cursors.conn
         out_dir.mkdir(parents=True, exist_ok=True)
         for stale in out_dir.glob(f"{consumer}.*.partial"):
             stale.unlink()
