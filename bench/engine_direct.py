@@ -32,6 +32,7 @@ import vllm
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
+from bench.engine_efficiency import TOPICS
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
 from rollout_ledger.services.inference_worker.vllm_engine import (
     WARMUP_PROMPT_LENS,
@@ -43,8 +44,6 @@ from rollout_ledger.shared.chat import load_chat_tokenizer
 from rollout_ledger.shared.events import SamplingParams
 from rollout_ledger.shared.settings import default_model_dir
 
-TOPICS = ("the sea", "mountains", "a city at night", "bread", "rain", "old books", "trains", "a garden",
-          "winter", "music", "the moon", "a market", "bees", "a river", "clocks", "a lighthouse")
 FOLLOW_UPS = ("Tell me more.", "Why is that?", "Give another example.", "Summarise that in one sentence.",
               "What else?", "Continue.")
 

@@ -40,8 +40,13 @@ def window(messages: Sequence[Message], turns: int) -> list[Message]:
     return [*messages[:head], *(m for turn in kept for m in turn)]
 
 
+def uses_window(policy: ContextPolicy | None) -> bool:
+    """Whether ``policy`` generates turns from a window (callers then build the conversation to cut it from)."""
+    return policy is not None and policy.policy != "full"
+
+
 def windowed(policy: ContextPolicy | None, messages: Sequence[Message]) -> list[Message] | None:
     """The window the next turn is generated from under ``policy``, or None for the full history."""
-    if policy is None or policy.policy == "full":
+    if policy is None or not uses_window(policy):
         return None
     return window(messages, policy.window_turns)

@@ -28,7 +28,7 @@ import orjson
 import structlog
 from nats.js import JetStreamContext
 
-from rollout_ledger.services.env_worker.context import windowed
+from rollout_ledger.services.env_worker.context import uses_window, windowed
 from rollout_ledger.services.env_worker.envs import Env, EnvRegistry, UnknownEnvError
 from rollout_ledger.services.env_worker.inference_client import InferenceClient
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
@@ -186,8 +186,10 @@ class EpisodeDriver:
                 result = await env.step(action)
                 env_s = time.perf_counter() - started
                 final = result.terminated or result.truncated or result.aborted or t + 1 >= max_turns
-                view = None if final else windowed(self.item.context, [
-                    *transcript.messages, {"role": "assistant", "content": action}, *result.observation])
+                view = None  # the full history (the default) builds no copy of the conversation per turn
+                if not final and uses_window(self.item.context):
+                    view = windowed(self.item.context, [
+                        *transcript.messages, {"role": "assistant", "content": action}, *result.observation])
                 delta = transcript.add_observation(result.observation, final, window=view)
             except Exception as exc:  # the env's code (or its unrenderable messages): an env failure
                 return await self._failed(FailureClass.ENV, f"step {t}: {type(exc).__name__}: {exc}",
