@@ -1,7 +1,8 @@
-"""Small helpers for tests: wait on a condition with a deadline, run SQL, read Prometheus counters."""
+"""Small helpers for tests: wait on a condition with a deadline (sync or async), run SQL, read Prometheus counters."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -24,6 +25,19 @@ def wait_for(cond: Callable[[], T], timeout_s: float, what: str, interval_s: flo
             return last
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last value: {last!r}")
+
+
+async def until(cond: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """``wait_for`` in a coroutine: await ``cond`` (a plain or an async function) until it returns something
+    truthy; fail with ``what`` after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await cond() if asyncio.iscoroutinefunction(cond) else cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)
 
 
 class Sql:

@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from rollout_ledger.shared.backoff import backoff_delay
 from rollout_ledger.shared.errors import InferenceError, SchemaError
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, decode_as, encode
 from rollout_ledger.shared.logging import get_logger
@@ -78,7 +79,10 @@ class InferenceClientConfig:
     request_timeout_s: float = 120.0
     max_tries: int = 3
     backoff_initial_s: float = 0.2
+    """Pause before the second try; doubled before each further try. No jitter: a retry goes to another worker,
+    chosen by load at the moment it is sent, so retries that fail together are spread by routing, not time."""
     backoff_max_s: float = 2.0
+    """Longest pause between tries."""
     heartbeat_timeout_s: float = 3.0
 
 
@@ -248,13 +252,12 @@ class InferenceClient:
         """
         excluded: set[str] = set()
         last: InferenceError | None = None
-        delay = self.config.backoff_initial_s
         loop = asyncio.get_running_loop()
         for attempt in range(1, self.config.max_tries + 1):
             if attempt > 1:
                 self._on_retry()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.config.backoff_max_s)
+                await asyncio.sleep(backoff_delay(attempt - 2, self.config.backoff_initial_s,
+                                                  self.config.backoff_max_s, jitter=0.0))
             worker = self.choose(prefer, excluded)
             subject = worker.subject if worker is not None else INFER_ANY
             request = build(attempt)

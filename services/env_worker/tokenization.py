@@ -336,32 +336,33 @@ class Transcript:
         """Record decode == render for the segment a re-render is about to close (its last turn is pending):
         the rendering of its conversation before that turn, plus the turn's sampled text."""
         assert self._pending is not None
-        start = self.segment_starts[-1]
-        try:
-            before = self._render(self._segment_messages, add_generation_prompt=True)
-        except TokenizationError:
-            self.segment_checks.append(False)
-            return
-        decoded = self.tokenizer.decode(self._ids[start: self._len], skip_special_tokens=False)
-        self.segment_checks.append(decoded == before + self._pending[0])
+        self.segment_checks.append(self._segment_matches(self._segment_messages, add_generation_prompt=True,
+                                                         sampled_tail=self._pending[0]))
 
     def _check_open_segment(self) -> bool:
         if self._pending is not None:
             return False
-        start = self.segment_starts[-1]
-        decoded = self.tokenizer.decode(self._ids[start: self._len], skip_special_tokens=False)
         messages = self._segment_messages
+        if self._final_drift:
+            # The template renders the last turn differently from its sampled text: the segment is the
+            # rendering before that turn plus the turn's sampled text.
+            last = self._ids[self._last_turn_start: self._len]
+            return self._segment_matches(messages[:-1], add_generation_prompt=True,
+                                         sampled_tail=self.tokenizer.decode(last, skip_special_tokens=False))
+        return self._segment_matches(messages, add_generation_prompt=self.ends_with_generation_prompt,
+                                     closing_text=self.closing_text)
+
+    def _segment_matches(self, messages: Sequence[Message], add_generation_prompt: bool, *,
+                         sampled_tail: str = "", closing_text: str = "") -> bool:
+        """decode(open segment's ids) + ``closing_text`` == render(``messages``) + ``sampled_tail``; False when the
+        template cannot render ``messages``."""
         try:
-            if self._final_drift:
-                # The template renders the last turn differently from its sampled text: the segment is the
-                # rendering before that turn plus the turn's sampled text.
-                before = self._render(messages[:-1], add_generation_prompt=True)
-                last = self._ids[self._last_turn_start: self._len]
-                return decoded == before + self.tokenizer.decode(last, skip_special_tokens=False)
-            rendered = self._render(messages, add_generation_prompt=self.ends_with_generation_prompt)
+            rendered = self._render(messages, add_generation_prompt=add_generation_prompt)
         except TokenizationError:
             return False
-        return bool(decoded + self.closing_text == rendered)
+        start = self.segment_starts[-1]
+        decoded = self.tokenizer.decode(self._ids[start: self._len], skip_special_tokens=False)
+        return decoded + closing_text == rendered + sampled_tail
 
     def _start_segment(self, messages: list[Message], drift: Drift, turn: int) -> Delta:
         text = self._render(messages, add_generation_prompt=True)

@@ -1,7 +1,7 @@
 """The env worker's process lifecycle on real NATS: SIGTERM drains or hands work back, SIGKILL is redelivered,
 a dead inference worker's turn fails over.
 
-The in-test policy and helpers come from test_env_worker.py.
+The in-test policy is tests/integration/policy.py (fixtures in conftest.py); helpers come from test_env_worker.py.
 """
 
 from __future__ import annotations
@@ -12,21 +12,17 @@ import signal
 from rollout_ledger.services.supervisor import Stack
 from rollout_ledger.shared import bus
 from rollout_ledger.shared.subjects import WORK_STREAM
+from tests.helpers import until
+from tests.integration.policy import Policy
 from tests.integration.test_env_worker import (
     TERMINAL,
-    Policy,
     check_contract,
     episode_events,
-    policy,
     start_worker,
     terminal_of,
-    tok,
-    until,
     work_item,
     work_queue_empty,
 )
-
-__all__ = ["policy", "tok"]  # fixtures
 
 
 async def test_sigterm_drains_in_flight_episodes(stack: Stack, nc: bus.NATS, policy: Policy) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,8 @@ import pytest
 
 from rollout_ledger.services.localinfra import free_port
 from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
-from tests.helpers import Sql, metric, wait_for
-from tests.integration.test_env_worker import Policy, until
+from tests.helpers import Sql, metric, until, wait_for
+from tests.integration.policy import Policy
 from tests.integration.test_pipeline import check_token_exact
 
 
@@ -87,19 +85,6 @@ def envserver(tmp_path: Path) -> Iterator[EnvServerProcess]:
     server = EnvServerProcess(tmp_path / "envserver-logs", tmp_path / "envserver-state").start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def tok(model_dir: str) -> ChatTokenizer:
-    return load_chat_tokenizer(model_dir)
-
-
-@pytest.fixture
-async def policy(nc: bus.NATS, tok: ChatTokenizer) -> AsyncIterator[Policy]:
-    p = await Policy(nc, tok).start()
-    yield p
-    p.release.set()
-    await p.stop()
 
 
 FAST_REMOTE = {"ROLLOUT_REMOTE_STARTUP_JITTER_S": "0", "ROLLOUT_REMOTE_TIMEOUT_S": "5"}

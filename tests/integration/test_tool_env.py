@@ -21,8 +21,8 @@ from rollout_ledger.shared import bus
 from rollout_ledger.shared.chat import ChatTokenizer
 from rollout_ledger.shared.events import InferenceRequested
 from rollout_ledger.shared.subjects import ENVS_BUCKET
+from tests.integration.policy import Policy
 from tests.integration.test_env_worker import (
-    Policy,
     check_contract,
     episode_events,
     terminal_of,

@@ -49,6 +49,7 @@ import httpx
 
 from rollout_ledger.services.env_worker.envs.base import Env, Message, StepResult
 from rollout_ledger.services.env_worker.envs.registry import EnvSpec
+from rollout_ledger.shared.backoff import backoff_delay
 from rollout_ledger.shared.errors import EnvError
 from rollout_ledger.shared.logging import get_logger
 
@@ -56,6 +57,8 @@ log = get_logger(__name__)
 
 REMOTE_PREFIX = "remote:"
 """Registry names of remote envs: ``remote:<name>``."""
+BACKOFF_JITTER = 0.5
+"""Retry pauses are 50-100 % of the exponential one, so actors that failed together do not retry together."""
 STEP_HEADER = "Rollout-Step"
 """Header carrying the 0-based index of a step (a server may use it to answer a retried step idempotently)."""
 
@@ -115,8 +118,7 @@ class RemoteConfig:
 
     def backoff(self, retry: int, rng: random.Random) -> float:
         """Pause before retry number ``retry`` (0-based): exponential, capped, 50-100 % jitter."""
-        base = min(self.backoff_max_s, self.backoff_s * (2 ** retry))
-        return base * (0.5 + 0.5 * rng.random())
+        return backoff_delay(retry, self.backoff_s, self.backoff_max_s, BACKOFF_JITTER, rng)
 
 
 class ActorPool:

@@ -1,0 +1,25 @@
+"""Fixtures of the integration tests that drive an env worker: the chat tokenizer and the in-test policy."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from rollout_ledger.shared import bus
+from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
+from tests.integration.policy import Policy
+
+
+@pytest.fixture
+def tok(model_dir: str) -> ChatTokenizer:
+    return load_chat_tokenizer(model_dir)
+
+
+@pytest.fixture
+async def policy(nc: bus.NATS, tok: ChatTokenizer) -> AsyncIterator[Policy]:
+    """A started ``Policy`` on the test's NATS; released (held requests answered) and stopped after the test."""
+    p = await Policy(nc, tok).start()
+    yield p
+    p.release.set()
+    await p.stop()
