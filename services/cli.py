@@ -1,4 +1,5 @@
-"""The `rollout` command line: run services, the private stack, submit batches, export, migrate, fetch the model."""
+"""The `rollout` command line: run services, the private stack, submit batches, export, prune the feed, migrate,
+fetch the model."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ app = typer.Typer(help="Rollout Ledger: durable, token-exact RL rollouts on NATS
                   no_args_is_help=True, add_completion=False)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 model_app = typer.Typer(help="The policy model.", no_args_is_help=True)
+feed_app = typer.Typer(help="The trajectory feed consumer cursors read (retention, consumers).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(model_app, name="model")
+app.add_typer(feed_app, name="feed")
 
 SERVICE_MODULES = {
     "scheduler": "rollout_ledger.services.scheduler.main",
@@ -262,6 +265,54 @@ def rescore(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{rf.name}@{rf.version}: scored {res.scored}, already scored {res.skipped}")
+
+
+@feed_app.command("prune")
+def feed_prune(
+    older_than: str = typer.Option(None, help="also delete entries every consumer has passed that are older than "
+                                               "this (7d, 12h): a NEW consumer's --start earliest then begins later"),
+    dry_run: bool = typer.Option(False, help="count what would be deleted, delete nothing"),
+    batch: int = typer.Option(10_000, min=1, help="feed entries examined per (short) transaction"),
+    database_url: str = typer.Option(None, envvar="DATABASE_URL",
+                                     help="Postgres DSN (needs DELETE on trajectory_feed: not the read-only role)"),
+) -> None:
+    """Delete feed entries every consumer has passed that can deliver nothing any more (docs/export.md)."""
+    from rollout_ledger.services.exporter.retention import RetentionError, parse_age, prune
+    from rollout_ledger.services.exporter.settings import ExporterSettings
+    from rollout_ledger.shared.errors import StoreError
+    from rollout_ledger.shared.logging import configure_logging
+
+    settings = ExporterSettings()
+    configure_logging(settings.log_level, settings.log_format, service="exporter")
+    if not database_url:
+        raise typer.BadParameter("set DATABASE_URL or pass --database-url")
+    try:
+        age = parse_age(older_than) if older_than else None
+    except RetentionError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        res = prune(database_url, older_than=age, batch=batch, dry_run=dry_run)
+    except (RetentionError, StoreError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    verb = "would delete" if dry_run else "deleted"
+    held = (f"slowest consumer {res.holder} at {res.horizon} ({res.consumers} consumers)" if res.holder
+            else "no consumer registered")
+    typer.echo(f"{verb} {res.dead} dead + {res.aged} aged feed entries; {res.remaining} left; {held}")
+
+
+@feed_app.command("consumers")
+def feed_consumers(
+    database_url: str = typer.Option(None, help="Postgres DSN (default: ROLLOUT_EXPORT_DATABASE_URL, DATABASE_URL)"),
+) -> None:
+    """Every consumer's cursor, slowest first, with the feed entries after it (the first holds retention back)."""
+    from rollout_ledger.services.exporter.retention import consumers
+    from rollout_ledger.services.exporter.settings import ExporterSettings
+
+    url = database_url or ExporterSettings().reader_url()
+    for c in consumers(url):
+        typer.echo(f"{c.consumer}\tposition {c.position}\tbehind {c.behind}\tdeliveries {c.deliveries}\t"
+                   f"records {c.delivered}\tupdated {c.updated_at.isoformat()}")
 
 
 @app.command()

@@ -74,6 +74,11 @@ class Workload:
         return "DATABASE_URL" in self.required_env
 
 
+EXPORTS_DIR = "/exports"
+"""Where the exporter's volume is mounted (the consumer's files in a folder named after it, batch files at the top)."""
+EXPORT_CONSUMER = "exporter"
+"""The consumer the exporter Deployment delivers through (one replica: the consumer's advisory lock allows one)."""
+
 _BUS = frozenset({"NATS_URL", "ROLLOUT_STREAM_REPLICAS", "ROLLOUT_HTTP_PORT", "ROLLOUT_LOG_FORMAT"})
 _SETTINGS = "rollout_ledger.services.{pkg}.settings:{cls}"
 
@@ -91,9 +96,15 @@ WORKLOADS: dict[str, Workload] = {
                  SERVICE_IMAGE, _BUS | {"DATABASE_URL"}),
         Workload("migrate", ("db", "upgrade"), "rollout_ledger.shared.settings:BaseServiceSettings",
                  SERVICE_IMAGE, frozenset({"DATABASE_URL"}), serves_http=False),
-        Workload("exporter", ("/etc/rollout/export_finished.py", "/exports", "parquet"),
+        Workload("exporter", ("export", "--consumer", EXPORT_CONSUMER, "--follow", "--format", "openrlhf",
+                              "--file-type", "parquet", "--out", f"{EXPORTS_DIR}/{EXPORT_CONSUMER}"),
+                 _SETTINGS.format(pkg="exporter", cls="ExporterSettings"), SERVICE_IMAGE,
+                 frozenset({"DATABASE_URL"}), serves_http=False),
+        Workload("export-batches", ("/etc/rollout/export_finished.py", EXPORTS_DIR, "parquet"),
                  "rollout_ledger.shared.settings:BaseServiceSettings", SERVICE_IMAGE, frozenset({"DATABASE_URL"}),
                  serves_http=False, command=("python",)),
+        Workload("feed-prune", ("feed", "prune"), _SETTINGS.format(pkg="exporter", cls="ExporterSettings"),
+                 SERVICE_IMAGE, frozenset({"DATABASE_URL"}), serves_http=False),
     )
 }
 """Every process the manifests run, by object name."""

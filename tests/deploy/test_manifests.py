@@ -71,7 +71,8 @@ def test_base_renders_and_validates() -> None:
 
 def test_every_workload_is_deployed(rendered: Rendered) -> None:
     kinds = {"scheduler": "Deployment", "env-worker": "Deployment", "inference-worker": "Deployment",
-             "recorder": "Deployment", "migrate": "Job", "exporter": "CronJob"}
+             "recorder": "Deployment", "migrate": "Job", "exporter": "Deployment", "export-batches": "CronJob",
+             "feed-prune": "CronJob"}
     for name, workload in deploy.WORKLOADS.items():
         obj = rendered.get(kinds[name], name)
         c = rendered.container(name)
@@ -323,6 +324,71 @@ def test_every_long_running_workload_has_a_pdb(rendered: Rendered) -> None:
             assert labels in pdbs, f"{rendered.overlay}: no PodDisruptionBudget for {obj['metadata']['name']}"
 
 
+# --- the exporter: one consumer, followed ---------------------------------------------------------------------
+
+
+def _parses(args: list[str]) -> None:
+    """``rollout ARGS`` is accepted by the real CLI (subcommands resolved, every option known)."""
+    import click
+    import typer
+
+    from rollout_ledger.services.cli import app
+
+    cmd: click.Command = typer.main.get_command(app)
+    rest = list(args)
+    while isinstance(cmd, click.Group):  # the manifests put no group options before a subcommand
+        assert rest, f"rollout {' '.join(args)}: names a group, not a command"
+        with click.Context(cmd, info_name=cmd.name) as ctx:
+            sub = cmd.get_command(ctx, rest[0])
+        assert sub is not None, f"rollout {' '.join(args)}: no command {rest[0]!r}"
+        cmd, rest = sub, rest[1:]
+    cmd.make_context(cmd.name, rest)  # raises on an unknown option or a bad value
+
+
+def test_exporter_follows_one_consumer(rendered: Rendered) -> None:
+    obj = rendered.get("Deployment", "exporter")
+    assert obj["spec"]["replicas"] == 1, "the consumer's advisory lock lets one process read it"
+    assert obj["spec"]["strategy"] == {"type": "Recreate"}, "the old reader must stop before the new one claims"
+    c = rendered.container("exporter")
+    args = list(c.spec["args"])
+    assert args[:4] == ["export", "--consumer", deploy.EXPORT_CONSUMER, "--follow"]
+    _parses(args)
+    out = args[args.index("--out") + 1]
+    mounts = {m["name"]: m["mountPath"] for m in c.spec["volumeMounts"]}
+    volumes = {v["name"]: v for v in c.pod["volumes"]}
+    assert mounts["exports"] == deploy.EXPORTS_DIR and out.startswith(deploy.EXPORTS_DIR + "/")
+    assert volumes["exports"]["persistentVolumeClaim"]["claimName"] == "exports"
+    assert rendered.has("PersistentVolumeClaim", "exports")
+    assert mounts["tmp"] == "/tmp" and "emptyDir" in volumes["tmp"]
+    refs = {(v["name"], (v.get("valueFrom") or {}).get("secretKeyRef", {}).get("key")) for v in c.spec["env"]}
+    assert ("ROLLOUT_EXPORT_DATABASE_URL", "export-database-url") in refs  # the read-only role, when given
+    optional = {(base_name(n), key): opt for n, key, opt in c.secret_refs}
+    assert optional[("rollout-secrets", "export-database-url")] is True, "optional: DATABASE_URL otherwise"
+    assert c.pod.get("terminationGracePeriodSeconds", 30) >= 30, "time to finish the read in flight on SIGTERM"
+    (init,) = [i for i in rendered.containers("exporter") if i.init]
+    assert tuple(init.spec["command"][:4]) == deploy.WAIT_SCHEMA_COMMAND
+    readers = [w for w in rendered.containers() if not w.init and "--consumer" in (w.spec.get("args") or [])
+               and w.spec["args"][w.spec["args"].index("--consumer") + 1] == deploy.EXPORT_CONSUMER]
+    assert [w.workload for w in readers] == ["exporter"], "one workload per consumer"
+    pdb = rendered.get("PodDisruptionBudget", "exporter")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "exporter"}}}
+
+
+def test_batch_export_and_feed_retention_stay_available(rendered: Rendered) -> None:
+    batches = rendered.get("CronJob", "export-batches")
+    assert batches["spec"]["suspend"] is True and batches["spec"]["concurrencyPolicy"] == "Forbid"
+    c = rendered.container("export-batches")
+    assert {m["name"]: m["mountPath"] for m in c.spec["volumeMounts"]}["exports"] == deploy.EXPORTS_DIR
+    assert c.pod["affinity"]["podAffinity"], "the ReadWriteOnce exports volume is on the exporter's node"
+    prune = rendered.get("CronJob", "feed-prune")
+    assert prune["spec"]["concurrencyPolicy"] == "Forbid"
+    p = rendered.container("feed-prune")
+    _parses(list(p.spec["args"]))
+    assert [(base_name(n), key) for n, key, _ in p.secret_refs] == [("rollout-secrets", "database-url")], \
+        "pruning deletes: not the read-only role"
+    assert "ROLLOUT_EXPORT_DATABASE_URL" not in p.env
+
+
 # --- security ------------------------------------------------------------------------------------------------
 
 
@@ -342,7 +408,9 @@ def test_pods_are_locked_down(rendered: Rendered) -> None:
         resources = c.spec["resources"]
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(resources[kind]), f"{c.workload}/{c.name}: {kind}"
-        if not c.init and c.kind in ("Deployment", "StatefulSet"):
+        serves_http = c.workload not in deploy.WORKLOADS or deploy.WORKLOADS[c.workload].serves_http
+        if not c.init and c.kind in ("Deployment", "StatefulSet") and serves_http:
+            # `rollout export --follow` (the exporter) serves no HTTP: it has no probes (see exporter.yaml)
             assert "livenessProbe" in c.spec and "readinessProbe" in c.spec, c.workload
     for c in rendered.containers():
         if c.workload in deploy.WORKLOADS:
