@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from rollout_ledger.migrations.runner import upgrade
 from rollout_ledger.services.exporter.export import export
-from rollout_ledger.services.exporter.rows import ARRAY_COLUMNS, decode_column
+from rollout_ledger.services.exporter.rows import PACKED, rebuild_flat, unpack
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import libpq_url
 from rollout_ledger.services.localinfra import LocalInfra
@@ -74,14 +74,16 @@ def seed(url: str, n: int, group: int = 8) -> float:
             "'{5}', 'a prompt of the benchmark', now(), now() FROM generate_series(0, %(n)s - 1) g",
             {"k": group, "n": n, "turns": TURNS})
         conn.execute(
-            "WITH tmpl AS (SELECT k, array(SELECT (random() * 49000)::int + k * 0 FROM generate_series(1, %(len)s)) "
-            "AS tok FROM generate_series(0, 63) k) "
+            "WITH tmpl AS (SELECT k, tok, rl_pack_le(array_send(tok)) AS tok_le FROM (SELECT k, array(SELECT "
+            "(random() * 49000)::int + k * 0 FROM generate_series(1, %(len)s)) AS tok FROM generate_series(0, 63) k) "
+            "AS r), lp AS (SELECT %(lp)s::float4[] AS lp, rl_pack_le(array_send(%(lp)s::float4[])) AS lp_le) "
             "INSERT INTO trajectories (episode_id, batch_id, group_id, env, attempt, status, reward, token_ids, "
             "loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, num_sampled_tokens, "
-            "num_turns, segments) SELECT e.id, 'bench', e.group_id, 'bench', 1, 'completed', e.reward, t.tok, "
-            "%(mask)s::int2[], %(lp)s::float4[], %(wv)s::int4[], %(ranges)s::int4[], %(prompt)s, %(len)s, "
-            "%(sampled)s, %(turns)s, ARRAY[ARRAY[0, %(len)s]] FROM episodes e "
-            "JOIN tmpl t ON t.k = e.task_index %% 64",
+            "num_turns, segments, token_ids_le, logprobs_le, action_versions) SELECT e.id, 'bench', e.group_id, "
+            "'bench', 1, 'completed', e.reward, t.tok, %(mask)s::int2[], lp.lp, %(wv)s::int4[], %(ranges)s::int4[], "
+            "%(prompt)s, %(len)s, %(sampled)s, %(turns)s, ARRAY[ARRAY[0, %(len)s]], t.tok_le, lp.lp_le, "
+            "array_fill(5, ARRAY[%(turns)s]) "
+            "FROM episodes e JOIN tmpl t ON t.k = e.task_index %% 64 CROSS JOIN lp",
             {"len": LENGTH, "mask": mask, "lp": lp, "wv": wv, "ranges": ranges, "prompt": PROMPT,
              "sampled": TURNS * SAMPLED, "turns": TURNS})
         conn.execute("ANALYZE")
@@ -123,23 +125,25 @@ def child_write(src: Path, out: Path) -> dict[str, Any]:
 
 
 def child_straight(url: str, out: Path, chunk: int) -> dict[str, Any]:
-    """The same arrays, one plain query, straight into pyarrow (no selection, records or advantages)."""
+    """The same arrays, one plain query, straight into pyarrow (no selection, records or advantages): the two
+    packed arrays as read, the other two rebuilt from the action ranges (as the export does)."""
     t0, c0 = time.perf_counter(), cpu_s()
+    names = ("token_ids", "logprobs", "loss_mask", "weight_versions")
     schema = pa.schema([("episode_id", pa.string()), ("reward", pa.float64())]
-                       + [(c, pa.list_(pa.float32() if c == "logprobs" else pa.int32())) for c in ARRAY_COLUMNS])
+                       + [(c, pa.list_(pa.float32() if c == "logprobs" else pa.int32())) for c in names])
     writer = pq.ParquetWriter(str(out), schema)
     count = 0
     with psycopg.connect(libpq_url(url)) as conn, conn.transaction(), \
             conn.cursor(name="straight", binary=True) as cur:
-        cur.execute("SELECT episode_id, reward, " + ", ".join(f"array_send({c})" for c in ARRAY_COLUMNS)
-                    + " FROM trajectories")
+        cur.execute("SELECT episode_id, reward, token_ids_le, logprobs_le, action_ranges, action_versions "
+                    "FROM trajectories")
         while rows := cur.fetchmany(chunk):
+            tok, lengths = unpack([r[2] for r in rows], PACKED["token_ids"])
+            lp, _ = unpack([r[3] for r in rows], PACKED["logprobs"])
+            mask, wv = rebuild_flat(lengths, [r[4] for r in rows], [r[5] for r in rows])
+            offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
             cols: list[pa.Array] = [pa.array([r[0] for r in rows]), pa.array([r[1] for r in rows], pa.float64())]
-            for i, (width, dtype) in enumerate(ARRAY_COLUMNS.values()):
-                arrs = decode_column([r[2 + i] for r in rows], width, dtype)
-                offsets = np.zeros(len(arrs) + 1, np.int32)
-                np.cumsum([len(a) for a in arrs], out=offsets[1:])
-                cols.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(arrs))))
+            cols += [pa.ListArray.from_arrays(offsets, pa.array(a)) for a in (tok, lp, mask, wv)]
             writer.write_table(pa.Table.from_arrays(cols, schema=schema))
             count += len(rows)
     writer.close()

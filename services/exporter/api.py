@@ -24,9 +24,9 @@ import pyarrow as pa
 
 from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
 from rollout_ledger.services.exporter.cursor import CursorError, Cursors, Read
-from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
+from rollout_ledger.services.exporter.records import SCHEMAS, Unit
 from rollout_ledger.services.exporter.selection import RewardChoice, Selection
-from rollout_ledger.services.exporter.writers import to_table
+from rollout_ledger.services.exporter.tables import table
 
 __all__ = ["AdvantageKind", "AdvantageSpec", "Batch", "CursorError", "RewardChoice", "Selection",
            "TrajectoryReader", "Unit"]
@@ -99,9 +99,9 @@ class TrajectoryReader:
                 read = self.cursors.read(self.sel, self.batch_size)
             if read is None:
                 return None
-            recs = [rec for row in read.rows for rec in records(row, self.shape, self.unit)]
-            if recs:
-                self._pending = Batch(to_table(recs, SCHEMAS[self.shape]), read, self)
+            got = table(read.rows, self.shape, self.unit)
+            if got.num_rows:
+                self._pending = Batch(got, read, self)
                 return self._pending
             with self.conn.transaction():  # entries that selected nothing: step over them
                 self.cursors.advance(read, 0, delivery=False, sel=self.sel)

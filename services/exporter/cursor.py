@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 import psycopg
 
+from rollout_ledger.services.exporter.rows import Chunk
 from rollout_ledger.services.exporter.selection import Scope, Selection
 from rollout_ledger.services.exporter.source import connect, fetch
 from rollout_ledger.shared.errors import RolloutError
@@ -74,7 +75,7 @@ class Read:
     start: Position
     end: Position
     entries: int
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: Chunk = field(default_factory=Chunk.empty)
     deliveries: int = 0
     """The consumer's delivery count before this read."""
 
@@ -167,7 +168,7 @@ class Cursors:
             scope = Scope(groups=[g for g in groups if g not in later])
         else:
             scope = Scope(groups=groups, rows=[(e[2], int(e[3])) for e in entries])
-        rows = fetch(self.conn, sel, scope) if scope.groups else []
+        rows = fetch(self.conn, sel, scope) if scope.groups else Chunk.empty()
         return Read(pos, end, len(entries), rows, state.deliveries)
 
     def advance(self, read: Read, records: int, *, delivery: bool, sel: Selection | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_ledger.services.exporter.records import FORMATS, SCHEMAS, Unit, records
+from rollout_ledger.services.exporter.records import FIELDS, FORMATS, Unit
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import stream
 from rollout_ledger.services.exporter.writers import FILE_TYPES, write_file
@@ -37,8 +37,8 @@ def export(database_url: str, sel: Selection, path: Path, fmt: str = "openrlhf",
            unit: Unit = Unit.SEGMENT, chunk: int = 500) -> ExportResult:
     """Write every selected trajectory as ``fmt`` records to ``path`` (atomically; memory bounded by ``chunk``)."""
     shape, ft = shape_and_file_type(fmt, file_type)
-    chunks = ([rec for row in rows for rec in records(row, shape, unit)] for rows in stream(database_url, sel, chunk))
-    out, count = write_file(path, ft, SCHEMAS[shape], chunks, metadata={"rollout_ledger.format": fmt})
+    out, count = write_file(path, ft, shape, stream(database_url, sel, chunk, FIELDS[shape]), unit,
+                            metadata={"rollout_ledger.format": fmt})
     return ExportResult(out, count)
 
 

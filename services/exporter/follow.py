@@ -22,9 +22,10 @@ import structlog
 
 from rollout_ledger.services.exporter.cursor import Cursors, Position, Read
 from rollout_ledger.services.exporter.export import shape_and_file_type
-from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
+from rollout_ledger.services.exporter.records import Unit
+from rollout_ledger.services.exporter.rows import Chunk
 from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.writers import write_file
+from rollout_ledger.services.exporter.writers import AtomicWriter
 
 log = structlog.get_logger("rollout.exporter")
 
@@ -77,7 +78,7 @@ class Follower:
                 return False
             end = Position.parse(found[0].name.split(".")[2])
             count = _count(found[0], self.ext)
-            self.cursors.advance(Read(state.position, end, 0, [], state.deliveries), count, delivery=True,
+            self.cursors.advance(Read(state.position, end, 0, Chunk.empty(), state.deliveries), count, delivery=True,
                                  sel=self.sel)
         log.info("export_recovered", consumer=self.cursors.consumer, file=str(found[0]), records=count)
         return True
@@ -89,19 +90,25 @@ class Follower:
             read = self.cursors.read(self.sel, self.batch_size)
             if read is None:
                 return None
-            recs = [rec for row in read.rows for rec in records(row, self.shape, self.unit)]
-            path = None
-            if recs:
-                path = delivery_path(self.out_dir, self.cursors.consumer, read.deliveries + 1, read.end, self.ext)
-                write_file(path, self.ext, SCHEMAS[self.shape], [recs],
-                           metadata={"rollout_ledger.format": self.fmt, "rollout_ledger.start": str(read.start),
-                                     "rollout_ledger.end": str(read.end)})
-                if before_commit is not None:
-                    before_commit(path)
-            self.cursors.advance(read, len(recs), delivery=path is not None, sel=self.sel)
-        log.info("export_delivered", consumer=self.cursors.consumer, entries=read.entries, records=len(recs),
-                 file=str(path) if path else None, position=str(read.end))
-        return path, len(recs)
+            path = delivery_path(self.out_dir, self.cursors.consumer, read.deliveries + 1, read.end, self.ext)
+            writer = AtomicWriter(path, self.ext, self.shape, self.unit)
+            try:
+                count = writer.write(read.rows)
+                if count:
+                    writer.commit({"rollout_ledger.format": self.fmt, "rollout_ledger.start": str(read.start),
+                                   "rollout_ledger.end": str(read.end)})
+                    if before_commit is not None:
+                        before_commit(path)
+                else:
+                    writer.abort()
+            except BaseException:
+                writer.abort()
+                raise
+            self.cursors.advance(read, count, delivery=count > 0, sel=self.sel)
+        delivered = path if count else None
+        log.info("export_delivered", consumer=self.cursors.consumer, entries=read.entries, records=count,
+                 file=str(delivered) if delivered else None, position=str(read.end))
+        return delivered, count
 
     def run(self, follow: bool, stop: threading.Event, poll_s: float = 1.0,
             echo: Callable[[str], None] | None = None) -> FollowResult:

@@ -19,7 +19,7 @@ Array fields are numpy arrays (views, not copies); ``writers.py`` turns lists of
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,20 +48,26 @@ class Span:
     count: int
 
 
-def spans(row: Mapping[str, Any], unit: Unit = Unit.SEGMENT) -> list[Span]:
-    """The samples a trajectory maps to (see the module docstring)."""
-    segments = row["segments"]
-    ranges = [(a, b) for a, b in row["action_ranges"] if b > a]
+def span_bounds(segments: Sequence[Sequence[int]], action_ranges: Sequence[Sequence[int]],
+                unit: Unit = Unit.SEGMENT) -> list[tuple[int, int, int]]:
+    """(start, prompt_end, end) of each sample of a trajectory with these segments and action ranges."""
+    ranges = [(a, b) for a, b in action_ranges if b > a]
     out: list[tuple[int, int, int]] = []
     if unit is Unit.SEGMENT:
         for s, e in segments:
-            inside = [a for a, _ in ranges if s <= a < e]
-            if inside:
-                out.append((s, min(inside), e))
+            first = min((a for a, _ in ranges if s <= a < e), default=None)
+            if first is not None:
+                out.append((s, first, e))
     else:
         for a, b in ranges:
             s = next((s for s, e in segments if s <= a < e), 0)
             out.append((s, a, b))
+    return out
+
+
+def spans(row: Mapping[str, Any], unit: Unit = Unit.SEGMENT) -> list[Span]:
+    """The samples a trajectory maps to (see the module docstring)."""
+    out = span_bounds(row["segments"], row["action_ranges"], unit)
     return [Span(s, p, e, i, len(out)) for i, (s, p, e) in enumerate(out)]
 
 
@@ -229,6 +235,17 @@ SCHEMAS: dict[str, pa.Schema] = {
     ]),
 }
 """Arrow schema of each record shape (Parquet files and the Python API); dict/list-of-dict fields are JSON text."""
+
+_ID_FIELDS = ("episode_id", "group_id", "batch_id", "env", "attempt", "status")
+FIELDS: dict[str, tuple[str, ...] | None] = {
+    "openrlhf": (*_ID_FIELDS, "prompt_text", "task", "num_turns", "prompt_len", "num_sampled_tokens",
+                 "rollout_reward"),
+    "slime": (*_ID_FIELDS, "group_index", "prompt_text", "task", "rollout_reward", "num_turns"),
+    "verl": _ID_FIELDS,
+    "trl": _ID_FIELDS,
+    "full": None,
+}
+"""The stored row fields each shape reads besides the arrays and spans (None: all); the exporter reads no more."""
 
 SampleFn = Callable[[Mapping[str, Any], Span], dict[str, Any]]
 SAMPLE_SHAPES: dict[str, SampleFn] = {"openrlhf": openrlhf, "slime": slime, "verl": verl, "trl": trl}

@@ -1,85 +1,51 @@
-"""Decoding of the rows ``selection.py`` reads: ``array_send`` bytes -> numpy arrays, a whole chunk at a time.
+"""A chunk of selected trajectories held by column (``Chunk``): each per-token array of the whole chunk is one flat
+numpy array with row offsets; every other field is a list with one value per row.
 
-``array_send`` of a one-dimensional array is a 20-byte header (ndim, has-nulls flag, element type, length, lower
-bound) and then, per element, a 4-byte length and the big-endian value; an empty array is a 12-byte header. A
-chunk's headers are read as one ``(n, 5)`` big-endian table, its bodies joined (without their headers) into one
-buffer read as (length, value) records, so a column's values are one strided byte-swapping copy (no Python per
-element, little per row), and each row gets a view into the chunk's flat array.
+Reading: ``selection.rows_query`` returns ``token_ids`` and ``logprobs`` as the packed little-endian copies
+(``trajectories.token_ids_le`` / ``logprobs_le``, migration 0005): a chunk's values are joined into one buffer and
+read with ``numpy.frombuffer`` (no byte swap, no per-element work on either side; ``int4[]`` would cost the server
+one send call per element). ``loss_mask`` and ``weight_versions`` are not read at all: ``rebuild_sampled`` derives
+them for the whole chunk from ``action_ranges`` and one weight version per range (``range_versions``), because
+``recorder/assembly.py`` writes ``loss_mask`` 1 exactly on the action ranges and 0 elsewhere, and
+``weight_versions`` the turn's version on its range and -1 elsewhere.
 
-Only ``token_ids`` and ``logprobs`` are shipped (``SHIPPED``): ``loss_mask`` and ``weight_versions`` are derivable
-from ``action_ranges`` and one weight version per range (``range_versions``), because ``recorder/assembly.py``
-writes ``loss_mask`` 1 exactly on the action ranges and 0 elsewhere, and ``weight_versions`` the turn's version on
-its range and -1 elsewhere. ``rebuild_sampled`` rebuilds both for a whole chunk. ``array_send`` costs the server
-per element: serialising all four arrays of 100,000 trajectories of 256 tokens took it 2.6 s, the two shipped
-ones 1.35 s, plus 0.22 s for ``range_versions`` (``EXPLAIN (ANALYZE, SERIALIZE BINARY)``).
+A ``Chunk`` is also a sequence of row dicts (arrays as views into the flat arrays) for per-row code: the
+``records.py`` mappers, JSONL, re-scoring. ``tables.py`` builds Arrow tables from the columns directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 from rollout_ledger.shared.errors import SchemaError
 
-_HEADER = 20
-_EMPTY = 12
-ARRAY_COLUMNS: dict[str, tuple[int, np.dtype[Any]]] = {
-    "token_ids": (4, np.dtype("<i4")),
-    "loss_mask": (2, np.dtype("<i4")),
-    "logprobs": (4, np.dtype("<f4")),
-    "weight_versions": (4, np.dtype("<i4")),
-}
-"""The array columns as ``array_send`` bytes: element width on the wire (int4/float4: 4, int2: 2) and numpy type."""
+ARRAYS = ("token_ids", "loss_mask", "logprobs", "weight_versions")
+"""The per-token arrays of a row, aligned position by position."""
 
-SHIPPED = ("token_ids", "logprobs")
-"""The array columns the export reads as ``array_send`` bytes; the other two are rebuilt (``rebuild_sampled``)."""
+PACKED = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4")}
+"""The arrays read as packed little-endian bytes, and their element type."""
 
 
-def _wire(width: int, dtype: np.dtype[Any]) -> np.dtype[Any]:
-    """One element on the wire: its 4-byte length, then the big-endian value."""
-    value = f">f{width}" if dtype.kind == "f" else f">i{width}"
-    return np.dtype([("len", ">i4"), ("value", value)])
+def unpack(raws: Sequence[bytes | memoryview | None], dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Packed little-endian values of a chunk's rows -> (one flat array, each row's length)."""
+    width = dtype.itemsize
+    views = [b"" if r is None else r for r in raws]
+    sizes = np.fromiter(map(len, views), np.int64, len(views))
+    if np.any(sizes % width):
+        raise SchemaError(f"packed array is not a whole number of {width}-byte values")
+    flat = np.frombuffer(b"".join(views), dtype) if views else np.empty(0, dtype)
+    return flat.astype(dtype.newbyteorder("="), copy=False), sizes // width
 
 
-def decode_column(raws: Sequence[bytes | memoryview | None], width: int, dtype: np.dtype[Any]) -> list[np.ndarray]:
-    """``array_send`` values of one column -> one numpy array per row (views into one flat array)."""
-    n = len(raws)
-    if n == 0:
-        return []
-    views = [memoryview(b"") if r is None else memoryview(r) for r in raws]
-    sizes = np.fromiter(map(len, views), np.int64, n)
-    if np.any((sizes > 0) & (sizes < _EMPTY)):
-        raise SchemaError("not an array_send value")
-    heads = np.frombuffer(b"".join(v[:_HEADER] if len(v) >= _HEADER else bytes(v) + bytes(_HEADER - len(v))
-                                   for v in views), ">i4").reshape(n, 5)
-    ndim, flags, counts = heads[:, 0], heads[:, 1], heads[:, 3].astype(np.int64)
-    one = ndim == 1
-    if np.any((ndim != 0) & ~one) or np.any(flags[one] != 0):
-        raise SchemaError("expected one-dimensional arrays without NULLs")
-    counts[~one] = 0
-    if np.any(sizes[one] != _HEADER + counts[one] * (4 + width)) or np.any(sizes[~one] > _EMPTY):
-        raise SchemaError("array_send value of unexpected length")
-    pairs = np.frombuffer(b"".join(v[_HEADER:] for v in views), _wire(width, dtype))
-    if np.any(pairs["len"] != width):
-        raise SchemaError(f"array_send elements are not {width} bytes wide")
-    flat = pairs["value"].astype(dtype)
-    ends = np.cumsum(counts)
-    return [flat[a:b] for a, b in zip((ends - counts).tolist(), ends.tolist(), strict=True)]
-
-
-def decode_array(raw: bytes | memoryview | None, column: str) -> np.ndarray:
-    """One ``array_send`` value of ``column`` (a key of ``ARRAY_COLUMNS``)."""
-    width, dtype = ARRAY_COLUMNS[column]
-    return decode_column([raw], width, dtype)[0]
-
-
-def rebuild_sampled(lengths: Sequence[int], ranges: Sequence[Sequence[Sequence[int]]],
-                    versions: Sequence[Sequence[int | None]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """``loss_mask`` (1 on every range, 0 elsewhere) and ``weight_versions`` (the range's version on it, -1
-    elsewhere) of a chunk of rows, from each row's length, ``action_ranges`` and one version per range."""
+def flat_ranges(lengths: np.ndarray, ranges: Sequence[Sequence[Sequence[int]]],
+                versions: Sequence[Sequence[int | None]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every action range of a chunk of rows laid end to end, checked: (start, end, weight version) as arrays in
+    chunk positions (a range without a version gets -1)."""
     n = len(lengths)
     if len(ranges) != n or len(versions) != n:
         raise SchemaError("rebuild_sampled: lengths, ranges and versions differ in number of rows")
@@ -103,32 +69,128 @@ def rebuild_sampled(lengths: Sequence[int], ranges: Sequence[Sequence[Sequence[i
     lo, hi = lo + starts, hi + starts
     if np.any(lo[1:] < hi[:-1]):
         raise SchemaError("action ranges overlap or are out of order")
+    return lo, hi, vers
+
+
+def rebuild_flat(lengths: np.ndarray, ranges: Sequence[Sequence[Sequence[int]]],
+                 versions: Sequence[Sequence[int | None]]) -> tuple[np.ndarray, np.ndarray]:
+    """``loss_mask`` (1 on every range, 0 elsewhere) and ``weight_versions`` (the range's version on it, -1
+    elsewhere) of a chunk of rows laid end to end, from each row's length, ``action_ranges`` and one version per
+    range."""
+    return mask_and_versions(int(np.sum(lengths)), *flat_ranges(lengths, ranges, versions))
+
+
+def mask_and_versions(total: int, lo: np.ndarray, hi: np.ndarray, vers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``rebuild_flat`` from ``flat_ranges``."""
     spans = hi - lo
-    total = int(spans.sum())
-    at = np.repeat(lo - (np.cumsum(spans) - spans), spans) + np.arange(total, dtype=np.int64)
-    mask = np.zeros(int(ends[-1]) if n else 0, np.int32)
-    wv = np.full(len(mask), -1, np.int32)
+    count = int(spans.sum())
+    at = np.repeat(lo - (np.cumsum(spans) - spans), spans) + np.arange(count, dtype=np.int64)
+    mask = np.zeros(total, np.int32)
+    wv = np.full(total, -1, np.int32)
     mask[at] = 1
     wv[at] = np.repeat(vers, spans)
+    return mask, wv
+
+
+def rebuild_sampled(lengths: Sequence[int], ranges: Sequence[Sequence[Sequence[int]]],
+                    versions: Sequence[Sequence[int | None]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``rebuild_flat``, cut into one array per row."""
+    sizes = np.asarray(lengths, np.int64)
+    mask, wv = rebuild_flat(sizes, ranges, versions)
+    ends = np.cumsum(sizes)
     cuts = list(zip((ends - sizes).tolist(), ends.tolist(), strict=True))
     return [mask[a:b] for a, b in cuts], [wv[a:b] for a, b in cuts]
 
 
-def decode_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Selected rows (``selection.ROWS_QUERY``) with their arrays decoded, ``loss_mask`` and ``weight_versions``
-    rebuilt, and their 2-d arrays as lists of [start, end)."""
-    out = [dict(r) for r in rows]
-    for name in SHIPPED:
-        width, dtype = ARRAY_COLUMNS[name]
-        for row, arr in zip(out, decode_column([r[name] for r in rows], width, dtype), strict=True):
-            row[name] = arr
-    for row in out:
-        row["action_ranges"] = row.get("action_ranges") or []
-        row["range_versions"] = row.get("range_versions") or []
-        row["segments"] = row.get("segments") or [[0, len(row["token_ids"])]]
-    masks, versions = rebuild_sampled([len(r["token_ids"]) for r in out], [r["action_ranges"] for r in out],
-                                      [r["range_versions"] for r in out])
-    for row, mask, wv in zip(out, masks, versions, strict=True):
-        row["loss_mask"] = mask
-        row["weight_versions"] = wv
-    return out
+@dataclass(eq=False)
+class Chunk(Sequence[dict[str, Any]]):
+    """Selected trajectories by column: ``columns`` (one list per field: ids, scalars, ``action_ranges``,
+    ``segments``, ``range_versions``, ``task``...), ``arrays`` (each of ``ARRAYS`` as one flat array of the rows
+    laid end to end) and ``offsets`` (row ``i`` is ``[offsets[i], offsets[i + 1])`` of every array)."""
+
+    columns: dict[str, list[Any]]
+    arrays: dict[str, np.ndarray]
+    offsets: np.ndarray
+    ranges: tuple[np.ndarray, np.ndarray, np.ndarray]
+    """Every action range as ``flat_ranges`` gives it: (start, end, weight version) in chunk positions."""
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, i: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        row = {name: col[i] for name, col in self.columns.items()}
+        row.update({name: arr[a:b] for name, arr in self.arrays.items()})
+        return row
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def empty(cls) -> Chunk:
+        none = np.empty(0, np.int64)
+        return cls({}, {name: np.empty(0, np.float32 if name == "logprobs" else np.int32) for name in ARRAYS},
+                   np.zeros(1, np.int64), (none, none, np.empty(0, np.int32)))
+
+    @classmethod
+    def build(cls, columns: dict[str, list[Any]], token_ids: np.ndarray, logprobs: np.ndarray,
+              lengths: np.ndarray) -> Chunk:
+        """A chunk from its per-row columns (which must hold ``action_ranges`` and ``range_versions``; missing
+        ``segments`` become one segment per row) and its two flat sampled arrays: ``loss_mask`` and
+        ``weight_versions`` are rebuilt."""
+        n = len(lengths)
+        if len(token_ids) != len(logprobs) or int(np.sum(lengths)) != len(token_ids):
+            raise SchemaError("token_ids and logprobs of a trajectory differ in length")
+        for name, col in columns.items():
+            if len(col) != n:
+                raise SchemaError(f"column {name} has {len(col)} values for {n} rows")
+        lens = lengths.tolist()
+        columns["action_ranges"] = [r or [] for r in columns.get("action_ranges", [None] * n)]
+        columns["range_versions"] = [v or [] for v in columns.get("range_versions", [None] * n)]
+        columns["segments"] = [s or [[0, k]] for s, k in zip(columns.get("segments", [None] * n), lens,
+                                                             strict=True)]
+        ranges = flat_ranges(lengths, columns["action_ranges"], columns["range_versions"])
+        mask, wv = mask_and_versions(len(token_ids), *ranges)
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(columns, {"token_ids": token_ids, "loss_mask": mask, "logprobs": logprobs,
+                             "weight_versions": wv}, offsets, ranges)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> Chunk:
+        """A chunk of row dicts holding numpy/list arrays (tests, examples): ``loss_mask`` and ``weight_versions``
+        are taken as given, ``range_versions`` derived from them when missing."""
+        names = [k for k in (rows[0] if rows else {}) if k not in ARRAYS]
+        columns: dict[str, list[Any]] = {k: [r.get(k) for r in rows] for k in names}
+        if "range_versions" not in columns:
+            columns["range_versions"] = [
+                [int(r["weight_versions"][a]) if b > a else None for a, b in r.get("action_ranges") or []]
+                for r in rows]
+        lengths = np.fromiter((len(r["token_ids"]) for r in rows), np.int64, len(rows))
+        offsets = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        arrays = {name: np.concatenate([np.asarray(r[name], dt) for r in rows]) if rows else np.empty(0, dt)
+                  for name, dt in (("token_ids", np.int32), ("loss_mask", np.int32), ("logprobs", np.float32),
+                                   ("weight_versions", np.int32))}
+        n = len(rows)
+        columns["action_ranges"] = [r or [] for r in columns.get("action_ranges", [None] * n)]
+        columns["segments"] = [s or [[0, k]] for s, k in zip(columns.get("segments", [None] * n), lengths.tolist(),
+                                                             strict=True)]
+        return cls(columns, arrays, offsets, flat_ranges(lengths, columns["action_ranges"],
+                                                         columns["range_versions"]))

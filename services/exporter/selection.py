@@ -3,13 +3,13 @@
 Row filters (batch, env, status, reward range, time range, weight-version window) apply first; the group filters
 (complete groups only, drop groups whose rewards are all equal) and the group advantages are computed over the
 rows that passed them, with one ``GROUP BY group_id`` over keys only; the token arrays are read for the rows
-finally selected, in (group, episode) order. Arrays come back as ``array_send`` bytes (decoded by ``rows.py``).
+finally selected, in (group, episode) order, as packed little-endian bytes (``rows.py`` reads them).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -94,26 +94,47 @@ class Scope:
 _TERMINAL_SQL = "{" + ",".join(sorted(str(s) for s in TERMINAL)) + "}"
 
 KEY_COLUMNS = ("episode_id", "attempt", "reward", "advantage", "group_size")
-"""What the selection query returns, in export order: the arrays are read by ``ROWS_QUERY`` chunk by chunk."""
+"""What the selection query returns, in export order: the rows are read by ``rows_query`` chunk by chunk."""
 
-ROWS_QUERY = (
-    "SELECT t.episode_id, t.batch_id, t.group_id, e.group_index, t.env, t.attempt, t.status, t.failure_class, "
-    "t.reward AS rollout_reward, array_send(t.token_ids) AS token_ids, array_send(t.logprobs) AS logprobs, "
-    "ARRAY(SELECT t.weight_versions[t.action_ranges[i][1] + 1] FROM generate_subscripts(t.action_ranges, 1) i) "
-    "AS range_versions, t.action_ranges, t.segments, t.num_segments, t.token_check, t.drifts, t.prompt_len, "
-    "t.num_tokens, t.num_sampled_tokens, t.num_turns, t.created_at, e.task, e.prompt_text "
-    "FROM trajectories t JOIN episodes e ON e.id = t.episode_id WHERE t.episode_id = ANY(%(ids)s)"
-)
-"""The stored rows of one chunk of selected episodes (index lookups; no sort of wide rows on the server).
+ROW_SQL = {
+    "episode_id": "t.episode_id", "batch_id": "t.batch_id", "group_id": "t.group_id", "group_index": "e.group_index",
+    "env": "t.env", "attempt": "t.attempt", "status": "t.status", "failure_class": "t.failure_class",
+    "rollout_reward": "t.reward", "token_ids": "t.token_ids_le", "logprobs": "t.logprobs_le",
+    "range_versions": "t.action_versions",
+    "action_ranges": "t.action_ranges", "segments": "t.segments", "num_segments": "t.num_segments",
+    "token_check": "t.token_check", "drifts": "t.drifts", "prompt_len": "t.prompt_len", "num_tokens": "t.num_tokens",
+    "num_sampled_tokens": "t.num_sampled_tokens", "num_turns": "t.num_turns", "created_at": "t.created_at",
+    "task": "e.task", "prompt_text": "e.prompt_text",
+}
+"""Each field of a stored row and the SQL that reads it. ``token_ids`` and ``logprobs`` come as their packed
+little-endian copies; ``loss_mask`` and ``weight_versions`` are not read: ``rows.rebuild_flat`` derives them
+from ``action_ranges`` and each range's weight version (``range_versions``, stored as ``action_versions``)."""
 
-``loss_mask`` and ``weight_versions`` are not read: ``rows.rebuild_sampled`` derives them from ``action_ranges`` and
-the weight version at each range's start (``range_versions``), which halves the server's ``array_send`` work."""
+ROW_COLUMNS = tuple(ROW_SQL)
+ALWAYS_READ = ("episode_id", "attempt", "token_ids", "logprobs", "range_versions", "action_ranges", "segments",
+               "num_tokens")
+"""What every read takes, whatever the record shape (a ``Chunk`` needs them)."""
+
+
+def rows_query(fields: Collection[str] | None = None) -> tuple[str, tuple[str, ...]]:
+    """The query reading one chunk of selected episodes' stored rows (index lookups by ``%(ids)s``; no sort of wide
+    rows on the server), and the fields it returns in order: ``fields`` (all when None) plus ``ALWAYS_READ``."""
+    wanted = set(ROW_COLUMNS if fields is None else fields) | set(ALWAYS_READ)
+    unknown = wanted - set(ROW_SQL)
+    if unknown:
+        raise ValueError(f"unknown row fields: {', '.join(sorted(unknown))}")
+    names = tuple(c for c in ROW_COLUMNS if c in wanted)
+    sql = ", ".join(ROW_SQL[c] for c in names)
+    episodes = any(ROW_SQL[c].startswith("e.") for c in names)
+    return (f"SELECT {sql} FROM trajectories t "
+            + ("JOIN episodes e ON e.id = t.episode_id " if episodes else "")
+            + "WHERE t.episode_id = ANY(%(ids)s)"), names
 
 
 def build_query(sel: Selection, scope: Scope | None = None) -> tuple[str, dict[str, Any]]:
     """The selection as SQL (psycopg ``%(name)s`` parameters) returning ``KEY_COLUMNS`` in (group, episode) order.
 
-    Only keys are sorted; the wide rows are read afterwards by ``ROWS_QUERY`` (sorting rows with their token
+    Only keys are sorted; the wide rows are read afterwards by ``rows_query`` (sorting rows with their token
     arrays spilled to disk and cost more than the rest of the export).
     """
     params: dict[str, Any] = {"adv_epsilon": sel.advantage.epsilon}

@@ -1,20 +1,20 @@
-"""Reads selected trajectories out of Postgres: connections, and a server-side cursor streamed in chunks."""
+"""Reads selected trajectories out of Postgres: connections, and a server-side cursor streamed in ``Chunk``s."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
+import numpy as np
 import orjson
 import psycopg
-from psycopg.rows import dict_row
 from psycopg.types.json import set_json_loads
 
-from rollout_ledger.services.exporter.rows import decode_rows
-from rollout_ledger.services.exporter.selection import ROWS_QUERY, Scope, Selection, build_query
-from rollout_ledger.shared.errors import StoreError
+from rollout_ledger.services.exporter.rows import PACKED, Chunk, unpack
+from rollout_ledger.services.exporter.selection import Scope, Selection, build_query, rows_query
+from rollout_ledger.shared.errors import SchemaError, StoreError
 from rollout_ledger.shared.settings import normalize_database_url
 
 
@@ -32,43 +32,57 @@ def connect(database_url: str, *, autocommit: bool = False) -> psycopg.Connectio
     return conn
 
 
-def _raw_rows(conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]], sel: Selection) -> list[dict[str, Any]]:
-    """The stored rows of ``keys`` (``KEY_COLUMNS``), in the keys' order, arrays still ``array_send`` bytes."""
-    if not keys:
-        return []
-    with conn.cursor(binary=True, row_factory=dict_row) as cur:
-        cur.execute(ROWS_QUERY, {"ids": [k[0] for k in keys]})
-        by_id = {r["episode_id"]: r for r in cur.fetchall()}
-    source = str(sel.reward) if sel.reward else "rollout"
+def read_chunk(conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]], sel: Selection,
+               fields: Collection[str] | None = None) -> Chunk:
+    """The stored rows of ``keys`` (``KEY_COLUMNS``), in the keys' order, as a ``Chunk`` (arrays unpacked);
+    ``fields``: the row fields to read (all when None; see ``selection.rows_query``)."""
+    query, names = rows_query(fields)
+    at = {name: i for i, name in enumerate(names)}
+    by_id: dict[str, tuple[Any, ...]] = {}
+    if keys:
+        with conn.cursor(binary=True) as cur:
+            cur.execute(query, {"ids": [k[0] for k in keys]})
+            by_id = {r[0]: r for r in cur.fetchall()}
     ordered = []
-    for eid, attempt, reward, advantage, group_size in keys:
+    attempt_at = at["attempt"]
+    for eid, attempt, *_ in keys:
         row = by_id.get(eid)
-        if row is None or row["attempt"] != attempt:
+        if row is None or row[attempt_at] != attempt:
             raise StoreError(f"trajectory {eid} changed during the read (not in one snapshot?)", retryable=True)
-        row.update(reward=reward, advantage=advantage, group_size=group_size, reward_source=source)
         ordered.append(row)
-    return ordered
+    cols = list(zip(*ordered, strict=True)) if ordered else [()] * len(names)
+    columns = {name: list(col) for name, col in zip(names, cols, strict=True) if name not in PACKED}
+    columns.update(reward=[k[2] for k in keys], advantage=[k[3] for k in keys], group_size=[k[4] for k in keys],
+                   reward_source=[str(sel.reward) if sel.reward else "rollout"] * len(keys))
+    token_ids, lengths = unpack(cols[at["token_ids"]], PACKED["token_ids"])
+    logprobs, lp_lengths = unpack(cols[at["logprobs"]], PACKED["logprobs"])
+    if not np.array_equal(lengths, lp_lengths) or lengths.tolist() != columns["num_tokens"]:
+        raise SchemaError("a trajectory's packed token_ids, logprobs and num_tokens disagree in length")
+    return Chunk.build(columns, token_ids, logprobs, lengths)
 
 
-def fetch(conn: psycopg.Connection[Any], sel: Selection, scope: Scope | None = None) -> list[dict[str, Any]]:
-    """Every selected row within ``scope``, decoded (a cursor read: bounded by the read's size).
+def fetch(conn: psycopg.Connection[Any], sel: Selection, scope: Scope | None = None,
+          fields: Collection[str] | None = None) -> Chunk:
+    """Every selected row within ``scope`` (a cursor read: bounded by the read's size).
 
     Call in a REPEATABLE READ transaction (keys and rows must come from one snapshot).
     """
     query, params = build_query(sel, scope)
     keys = conn.execute(query, params).fetchall()
-    return decode_rows(_raw_rows(conn, keys, sel))
+    return read_chunk(conn, keys, sel, fields)
 
 
 _DONE = object()
 
 
-def stream(database_url: str, sel: Selection, chunk: int = 500) -> Iterator[list[dict[str, Any]]]:
-    """Selected rows in chunks of ``chunk``: keys from a server-side cursor, each chunk's arrays by index lookups,
+def stream(database_url: str, sel: Selection, chunk: int = 500,
+           fields: Collection[str] | None = None) -> Iterator[Chunk]:
+    """Selected rows in chunks of ``chunk``: keys from a server-side cursor, each chunk's rows by index lookups,
     all in one REPEATABLE READ snapshot.
 
-    A reader thread fetches the next chunk while the caller decodes and writes this one (Postgres and the writer
-    work at the same time); at most two chunks wait in between, so memory stays bounded by the chunk size.
+    A reader thread fetches and unpacks the next chunk while the caller maps and writes this one (Postgres, the
+    reader and the writer work at the same time); at most two chunks wait in between, so memory stays bounded by
+    the chunk size.
     """
     query, params = build_query(sel)
     chunks: queue.Queue[Any] = queue.Queue(maxsize=2)
@@ -91,7 +105,7 @@ def stream(database_url: str, sel: Selection, chunk: int = 500) -> Iterator[list
                     keys.itersize = chunk
                     keys.execute(query, params)
                     while not stop.is_set() and (batch := keys.fetchmany(chunk)):
-                        if not put(_raw_rows(conn, batch, sel)):
+                        if not put(read_chunk(conn, batch, sel, fields)):
                             return
             put(_DONE)
         except BaseException as exc:  # handed to the consumer, raised there
@@ -106,7 +120,7 @@ def stream(database_url: str, sel: Selection, chunk: int = 500) -> Iterator[list
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield decode_rows(item)
+            yield item
     finally:
         stop.set()
         reader.join()

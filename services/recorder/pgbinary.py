@@ -74,6 +74,12 @@ def int2_array(values: np.ndarray) -> bytes:
     return _array(np.asarray(values, dtype=np.int16), INT2_OID, _PAIR_I2, 2)
 
 
+def packed_le(values: np.ndarray, dtype: str) -> bytes:
+    """A ``bytea`` of packed little-endian values (``trajectories.token_ids_le`` / ``logprobs_le``), the same
+    values as ``int4_array`` / ``float4_array`` of the same array (which check the range first)."""
+    return np.asarray(values).astype(dtype, copy=False).tobytes()
+
+
 def int4_matrix(rows: Sequence[Sequence[int]], width: int) -> bytes:
     """Binary 2-d ``int4[][]`` of equal-length rows (empty input: an empty array)."""
     if not rows:
@@ -232,7 +238,7 @@ def step_row(e: Any) -> bytes:
         raise EncodeError(f"step {e.event_id}: {exc}") from exc
 
 
-_NCOLS_TRAJECTORY = struct.pack(">h", 21)
+_NCOLS_TRAJECTORY = struct.pack(">h", 24)
 
 
 def trajectory_row(episode_id: str, batch_id: str, group_id: str, env: str, attempt: int, status: str,
@@ -250,6 +256,8 @@ def trajectory_row(episode_id: str, batch_id: str, group_id: str, env: str, atte
             _I4_FIELD.pack(4, traj.num_sampled_tokens), _I4_FIELD.pack(4, traj.num_turns),
             field(int4_matrix(traj.segments, 2)), _I4_FIELD.pack(4, len(traj.segments)),
             NULL if token_check is None else text(token_check), jsonb(list(drifts)),
+            field(packed_le(traj.token_ids, "<i4")), field(packed_le(traj.logprobs, "<f4")),
+            field(int4_array(np.array([traj.weight_versions[a] for a, _ in traj.action_ranges], np.int64))),
         ))
     except (struct.error, OverflowError, UnicodeError) as exc:
         raise EncodeError(f"trajectory of {episode_id}: {exc}") from exc

@@ -20,7 +20,7 @@ from tests.integration.export_data import Traj, run, seed_batch
 
 def select(url: str, sel: Selection) -> list[dict]:
     with connect(url) as conn:
-        return fetch(conn, sel)
+        return list(fetch(conn, sel))
 
 
 def ids(rows: list[dict]) -> list[str]:

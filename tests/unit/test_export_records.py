@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec, group_advantages
 from rollout_ledger.services.exporter.records import SCHEMAS, Span, Unit, records, slime, spans, trl, verl
-from rollout_ledger.services.exporter.rows import decode_array, decode_column, decode_rows, rebuild_sampled
+from rollout_ledger.services.exporter.rows import Chunk, rebuild_sampled
 from rollout_ledger.services.exporter.selection import RewardChoice, Selection
-from rollout_ledger.services.exporter.writers import to_table
+from rollout_ledger.services.exporter.tables import to_table
 from rollout_ledger.services.recorder.assembly import StepRecord, Trajectory, TurnRecord, assemble
 from rollout_ledger.shared.errors import SchemaError
 
@@ -99,31 +97,6 @@ def test_every_shape_converts_to_its_arrow_schema(shape: str) -> None:
             assert back[name] == pytest.approx(value.tolist())
 
 
-def test_decode_array_send_layouts() -> None:
-    def send(fmt: str, values: list) -> bytes:
-        size = struct.calcsize(">" + fmt)
-        head = struct.pack(">iiiii", 1, 0, 23, len(values), 1)
-        return head + b"".join(struct.pack(">i" + fmt, size, v) for v in values)
-
-    assert decode_array(send("i", [1, -2, 3]), "token_ids").tolist() == [1, -2, 3]
-    assert decode_array(send("h", [0, 1, -1]), "loss_mask").tolist() == [0, 1, -1]
-    assert decode_array(send("f", [0.5, -1.25]), "logprobs").tolist() == [0.5, -1.25]
-    empty = struct.pack(">iii", 0, 0, 23)
-    assert decode_array(empty, "token_ids").tolist() == []
-    rows = decode_column([send("i", [7, 8]), empty, None, send("i", [2**31 - 1, -(2**31)])], 4, np.dtype("<i4"))
-    assert [r.tolist() for r in rows] == [[7, 8], [], [], [2**31 - 1, -(2**31)]]
-    with pytest.raises(SchemaError):
-        decode_column([send("i", [1, 2])[:-2]], 4, np.dtype("<i4"))
-
-
-def _send(fmt: str, values: list) -> bytes:
-    """``array_send`` of a one-dimensional array (int4 ``i``, int2 ``h``, float4 ``f``)."""
-    if not values:
-        return struct.pack(">iii", 0, 0, 23)
-    head = struct.pack(">iiiii", 1, 0, 23, len(values), 1)
-    return head + b"".join(struct.pack(">i" + fmt, struct.calcsize(">" + fmt), v) for v in values)
-
-
 def _assembled(rng: np.random.Generator, index: int) -> Trajectory:
     """A random trajectory as the recorder assembles it: turns with 0-5 sampled ids (0: an empty turn), 0-4
     observation ids, some steps starting a new segment, a weight version per turn."""
@@ -148,12 +121,12 @@ def test_rebuilt_mask_and_versions_equal_what_assembly_stores() -> None:
     assert rebuild_sampled([], [], []) == ([], [])
 
 
-def test_decode_rows_reads_two_arrays_and_rebuilds_two() -> None:
-    rows = [{"token_ids": _send("i", [5, 6, 7, 8, 9]), "logprobs": _send("f", [0, -0.5, -0.25, 0, 0]),
-             "action_ranges": [[1, 3], [4, 4]], "range_versions": [2, None], "segments": None},
-            {"token_ids": _send("i", []), "logprobs": _send("f", []), "action_ranges": None, "range_versions": None,
-             "segments": None}]
-    first, empty = decode_rows(rows)
+def test_a_built_chunk_reads_two_arrays_and_rebuilds_two() -> None:
+    columns = {"episode_id": ["a", "b"], "action_ranges": [[[1, 3], [4, 4]], None], "range_versions": [[2, None], None],
+               "segments": [None, None]}
+    chunk = Chunk.build(columns, np.array([5, 6, 7, 8, 9], np.int32),
+                        np.array([0, -0.5, -0.25, 0, 0], np.float32), np.array([5, 0]))
+    first, empty = chunk
     assert first["token_ids"].tolist() == [5, 6, 7, 8, 9] and first["logprobs"].tolist() == [0, -0.5, -0.25, 0, 0]
     assert first["loss_mask"].tolist() == [0, 1, 1, 0, 0] and first["weight_versions"].tolist() == [-1, 2, 2, -1, -1]
     assert first["segments"] == [[0, 5]] and first["range_versions"] == [2, None]

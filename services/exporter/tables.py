@@ -1,0 +1,320 @@
+"""Arrow tables of each record shape: ``table`` builds one from a ``Chunk`` column by column; ``to_table`` from
+records (``records.records``, one dict each) is the reference it equals (tests/unit/test_export_tables.py holds
+them equal), without a Python dict per record or a Python object per token.
+
+A token column of a sample shape is one gather from the chunk's flat array (``[start, end)`` of every sample, as
+numpy index arithmetic); the full record's token columns are the flat arrays themselves under the chunk's offsets
+(no copy). What stays per sample in Python is small: its span, its trained ranges, weight versions and JSON text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+
+from rollout_ledger.services.exporter.records import _SLIME_STATUS, SCHEMAS, Unit
+from rollout_ledger.services.exporter.rows import Chunk
+from rollout_ledger.shared.errors import SchemaError
+
+
+def _json_text(v: Any) -> Any:
+    if isinstance(v, dict | list):
+        return orjson.dumps(v, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
+    return v
+
+
+def _list_column(values: Sequence[Any], typ: pa.ListType) -> pa.Array:
+    """A ``list<number>`` column from numpy arrays in one concatenation (no per-element Python)."""
+    value_type = typ.value_type
+    if not values or not all(isinstance(v, np.ndarray) for v in values):
+        return pa.array([None if v is None else list(v) for v in values], type=typ)
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(values).astype(value_type.to_pandas_dtype(), copy=False)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
+
+
+def text_column(values: Sequence[Any], typ: pa.DataType) -> pa.Array:
+    """A string column; when any value is a dict or list, those values become JSON text (sorted keys)."""
+    if any(isinstance(v, dict | list) for v in values):
+        return pa.array([_json_text(v) for v in values], type=typ)
+    return pa.array(values, type=typ)
+
+
+def to_table(records: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """An Arrow table of ``records`` with ``schema`` (dict and list-of-dict fields become JSON text)."""
+    columns: list[pa.Array] = []
+    for f in schema:
+        values = [r[f.name] for r in records]
+        if pa.types.is_list(f.type) and (pa.types.is_integer(f.type.value_type)
+                                         or pa.types.is_floating(f.type.value_type)):
+            columns.append(_list_column(values, f.type))
+        elif pa.types.is_string(f.type):
+            columns.append(text_column(values, f.type))
+        else:
+            columns.append(pa.array(values, type=f.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+class Samples:
+    """The samples of a chunk: for each, its row and ``[start, prompt_end, end)`` in the chunk's flat arrays,
+    found for the whole chunk at once (``records.span_bounds`` per trajectory is the reference; segments must be
+    ordered and disjoint within their trajectory, as the recorder writes them)."""
+
+    def __init__(self, chunk: Chunk, unit: Unit) -> None:
+        n = len(chunk)
+        offsets = chunk.offsets
+        per_row = np.fromiter(map(len, chunk.columns["segments"]), np.int64, n)
+        try:
+            seg = np.array(list(chain.from_iterable(chunk.columns["segments"])), np.int64).reshape(-1, 2)
+        except (TypeError, ValueError) as exc:
+            raise SchemaError(f"segments are malformed: {exc}") from exc
+        seg_row = np.repeat(np.arange(n), per_row)
+        lengths = np.diff(offsets)
+        if np.any(seg[:, 0] < 0) or np.any(seg[:, 1] < seg[:, 0]) or np.any(seg[:, 1] > lengths[seg_row]):
+            raise SchemaError("a segment lies outside its trajectory")
+        seg_lo, seg_hi = seg[:, 0] + offsets[seg_row], seg[:, 1] + offsets[seg_row]
+        if np.any(seg_lo[1:] < seg_hi[:-1]):
+            raise SchemaError("segments overlap or are out of order")
+        rlo, rhi, _ = chunk.ranges
+        sampled = rhi > rlo
+        a, b = rlo[sampled], rhi[sampled]
+        if unit is Unit.SEGMENT:
+            i = np.searchsorted(a, seg_lo)
+            first = a[np.minimum(i, len(a) - 1)] if len(a) else np.zeros(len(i), np.int64)
+            has = (i < len(a)) & (first < seg_hi)
+            rows, start, prompt_end, end = seg_row[has], seg_lo[has], first[has], seg_hi[has]
+        else:
+            rows = np.searchsorted(offsets, a, side="right") - 1
+            k = np.searchsorted(seg_lo, a, side="right") - 1
+            kk = np.maximum(k, 0)
+            inside = (k >= 0) & (seg_row[kk] == rows) & (a < seg_hi[kk]) if len(seg_lo) else np.zeros(len(a), bool)
+            start = np.where(inside, seg_lo[kk] if len(seg_lo) else 0, offsets[rows])
+            prompt_end, end = a, b
+        count = np.bincount(rows, minlength=n) if n else np.zeros(0, np.int64)
+        first_of_row = np.cumsum(count) - count
+        self.chunk = chunk
+        self.rows = rows.astype(np.int64)
+        self.start, self.prompt_end, self.end = start, prompt_end, end
+        base = offsets[:-1][self.rows]
+        self.rel = np.stack([start - base, prompt_end - base, end - base], axis=1).reshape(-1, 3)
+        """Span bounds relative to their trajectory (what records carry)."""
+        self.index = (np.arange(len(rows)) - first_of_row[rows]).tolist()
+        self.count = count[rows].tolist()
+        self._one_each = len(rows) == n and bool(np.all(count == 1))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def column(self, name: str) -> list[Any]:
+        """A per-row column repeated for each of the row's samples."""
+        col = self.chunk.columns[name]
+        if self._one_each:
+            return col
+        return [col[i] for i in self.rows.tolist()]
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, np.int32)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _list(values: np.ndarray, offsets: np.ndarray, typ: pa.DataType) -> pa.Array:
+    value_type = typ.value_type
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(
+        values.astype(value_type.to_pandas_dtype(), copy=False), type=value_type))
+
+
+def slices(flat: np.ndarray, lo: np.ndarray, hi: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """``flat[lo[k]:hi[k]]`` for every k as one ``list<...>`` column (one gather, no Python per sample)."""
+    lengths = hi - lo
+    offsets = _offsets(lengths)
+    total = int(offsets[-1])
+    if len(lo) == 0:
+        values = flat[:0]
+    elif np.array_equal(lo[1:], hi[:-1]):
+        values = flat[int(lo[0]):int(hi[-1])]
+    else:
+        values = flat[np.repeat(lo - offsets[:-1], lengths) + np.arange(total, dtype=np.int64)]
+    return _list(values, offsets, typ)
+
+
+def _filled(lengths: np.ndarray, typ: pa.DataType, fill: Callable[[int, np.ndarray], np.ndarray]) -> pa.Array:
+    offsets = _offsets(lengths)
+    return _list(fill(int(offsets[-1]), offsets), offsets, typ)
+
+
+def _ones(lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
+    return _filled(lengths, typ, lambda total, _: np.ones(total, np.int32))
+
+
+def _positions(lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
+    return _filled(lengths, typ, lambda total, off: np.arange(total, dtype=np.int32)
+                   - np.repeat(off[:-1], lengths).astype(np.int32))
+
+
+def span_versions(s: Samples, lo: np.ndarray) -> pa.Array:
+    """Sorted distinct weight versions of the sampled turns starting in ``[lo[k], end[k])`` of each sample k (as
+    ``records._versions``), as one ``list<int32>`` column: each non-empty range with a version is assigned to the
+    sample it starts in by one ``searchsorted`` when the windows are disjoint (samples are ordered in the chunk's
+    positions); overlapping windows (per-turn samples over their whole segment) are counted one by one."""
+    rlo, rhi, rv = s.chunk.ranges
+    keep = (rhi > rlo) & (rv >= 0)
+    starts, vers = rlo[keep], rv[keep].astype(np.int64)
+    if np.any(lo[1:] < s.end[:-1]):
+        first, last = np.searchsorted(starts, lo).tolist(), np.searchsorted(starts, s.end).tolist()
+        got = [sorted(set(vers[i:j].tolist())) for i, j in zip(first, last, strict=True)]
+        return pa.array(got, pa.list_(pa.int32()))
+    k = np.searchsorted(lo, starts, side="right") - 1
+    inside = k >= 0
+    inside[inside] = starts[inside] < s.end[k[inside]]
+    pairs = np.unique((k[inside] << 32) | vers[inside])
+    counts = np.bincount(pairs >> 32, minlength=len(s)) if len(s) else np.zeros(0, np.int64)
+    return _list((pairs & 0xFFFFFFFF).astype(np.int32), _offsets(counts), pa.list_(pa.int32()))
+
+
+def json_column(values: Sequence[Any]) -> list[str]:
+    """JSON text of each value (sorted keys), as ``text_column`` writes dicts and lists."""
+    return [_json_text(v) for v in values]
+
+
+def _labels(s: Samples) -> list[str]:
+    per_row = [orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode() for t in s.chunk.columns["task"]]
+    return per_row if s._one_each else [per_row[i] for i in s.rows.tolist()]
+
+
+def _ids(s: Samples) -> dict[str, Any]:
+    return {"episode_id": s.column("episode_id"), "group_id": s.column("group_id"),
+            "batch_id": s.column("batch_id"), "env": s.column("env"), "attempt": s.column("attempt"),
+            "sample_index": s.index, "num_samples": s.count}
+
+
+def _sources(s: Samples) -> list[str]:
+    return [str(v or "rollout") for v in s.column("reward_source")]
+
+
+def _openrlhf(s: Samples) -> dict[str, Any]:
+    arr, f = s.chunk.arrays, SCHEMAS["openrlhf"]
+    cols = s.chunk.columns
+    rel = s.rel.tolist()
+    actions = [[[max(a, p) - st, min(b, e) - st] for a, b in cols["action_ranges"][r] if a < e and b > p]
+               for r, (st, p, e) in zip(s.rows.tolist(), rel, strict=True)]
+    reward, advantage = s.column("reward"), s.column("advantage")
+    versions = span_versions(s, s.start).to_pylist()
+    logs = [{"num_turns": cols["num_turns"][r], "prompt_len": cols["prompt_len"][r],
+             "num_sampled_tokens": cols["num_sampled_tokens"][r], "weight_versions": v, "reward_source": src,
+             "rollout_reward": cols["rollout_reward"][r]}
+            for r, v, src in zip(s.rows.tolist(), versions, _sources(s), strict=True)]
+    return {
+        **_ids(s),
+        "prompt": [t or "" for t in s.column("prompt_text")],
+        "label": _labels(s),
+        "observation_tokens": slices(arr["token_ids"], s.start, s.end, f.field("observation_tokens").type),
+        "action_ranges": actions,
+        "rollout_log_probs": slices(arr["logprobs"], s.start, s.end, f.field("rollout_log_probs").type),
+        "truncated": [st == "truncated" for st in s.column("status")],
+        "reward": reward,
+        "advantage": advantage,
+        "scores": json_column([{"reward": r, "advantage": a} for r, a in zip(reward, advantage, strict=True)]),
+        "status": s.column("status"),
+        "extra_logs": json_column(logs),
+    }
+
+
+def _slime(s: Samples) -> dict[str, Any]:
+    arr, f = s.chunk.arrays, SCHEMAS["slime"]
+    cols = s.chunk.columns
+    meta = [{"reward_source": src, "rollout_reward": cols["rollout_reward"][r], "num_turns": cols["num_turns"][r],
+             "rollout_status": cols["status"][r]} for r, src in zip(s.rows.tolist(), _sources(s), strict=True)]
+    return {
+        **_ids(s),
+        "index": s.column("group_index"),
+        "prompt": [t or "" for t in s.column("prompt_text")],
+        "label": _labels(s),
+        "tokens": slices(arr["token_ids"], s.start, s.end, f.field("tokens").type),
+        "response_length": (s.end - s.prompt_end).tolist(),
+        "loss_mask": slices(arr["loss_mask"], s.prompt_end, s.end, f.field("loss_mask").type),
+        "rollout_log_probs": slices(arr["logprobs"], s.prompt_end, s.end, f.field("rollout_log_probs").type),
+        "reward": s.column("reward"),
+        "advantage": s.column("advantage"),
+        "status": [_SLIME_STATUS.get(st, "aborted") for st in s.column("status")],
+        "weight_versions": span_versions(s, s.prompt_end).cast(f.field("weight_versions").type),
+        "metadata": json_column(meta),
+    }
+
+
+def _verl(s: Samples) -> dict[str, Any]:
+    arr, f = s.chunk.arrays, SCHEMAS["verl"]
+    return {
+        **_ids(s),
+        "uid": s.column("group_id"),
+        "prompts": slices(arr["token_ids"], s.start, s.prompt_end, f.field("prompts").type),
+        "responses": slices(arr["token_ids"], s.prompt_end, s.end, f.field("responses").type),
+        "response_mask": slices(arr["loss_mask"], s.prompt_end, s.end, f.field("response_mask").type),
+        "attention_mask": _ones(s.end - s.start, f.field("attention_mask").type),
+        "position_ids": _positions(s.end - s.start, f.field("position_ids").type),
+        "rollout_log_probs": slices(arr["logprobs"], s.prompt_end, s.end, f.field("rollout_log_probs").type),
+        "reward": s.column("reward"),
+        "advantage": s.column("advantage"),
+        "status": s.column("status"),
+    }
+
+
+def _trl(s: Samples) -> dict[str, Any]:
+    arr, f = s.chunk.arrays, SCHEMAS["trl"]
+    return {
+        **_ids(s),
+        "prompt_ids": slices(arr["token_ids"], s.start, s.prompt_end, f.field("prompt_ids").type),
+        "completion_ids": slices(arr["token_ids"], s.prompt_end, s.end, f.field("completion_ids").type),
+        "completion_mask": _ones(s.end - s.prompt_end, f.field("completion_mask").type),
+        "tool_mask": slices(arr["loss_mask"], s.prompt_end, s.end, f.field("tool_mask").type),
+        "logprobs": slices(arr["logprobs"], s.prompt_end, s.end, f.field("logprobs").type),
+        "reward": s.column("reward"),
+        "advantage": s.column("advantage"),
+        "status": s.column("status"),
+    }
+
+
+def _full(chunk: Chunk) -> dict[str, Any]:
+    f, cols = SCHEMAS["full"], chunk.columns
+    offsets = chunk.offsets.astype(np.int32)
+    out: dict[str, Any] = {name: cols[name] for name in f.names if name in cols}
+    out["reward_source"] = [str(v or "rollout") for v in cols["reward_source"]]
+    for name in ("token_ids", "loss_mask", "logprobs", "weight_versions"):
+        out[name] = _list(chunk.arrays[name], offsets, f.field(name).type)
+    return out
+
+
+_MAYBE_JSON = {"full": ("task", "drifts")}
+"""String fields stored as JSON (a dict or list becomes JSON text, as ``text_column``); the builders above give
+every other string field as text already."""
+
+_SAMPLE_COLUMNS: dict[str, Callable[[Samples], dict[str, Any]]] = {
+    "openrlhf": _openrlhf, "slime": _slime, "verl": _verl, "trl": _trl}
+
+
+def table(chunk: Chunk, shape: str, unit: Unit = Unit.SEGMENT) -> pa.Table:
+    """The Arrow table of every record of ``chunk`` in ``shape`` (a trainer shape or ``full``)."""
+    schema = SCHEMAS.get(shape)
+    if schema is None:
+        raise ValueError(f"unknown record shape {shape!r}; known: {', '.join(SCHEMAS)}")
+    if len(chunk) == 0:
+        return schema.empty_table()
+    values = _full(chunk) if shape == "full" else _SAMPLE_COLUMNS[shape](Samples(chunk, unit))
+    columns: list[pa.Array] = []
+    for field in schema:
+        v = values[field.name]
+        if isinstance(v, pa.Array):
+            columns.append(v)
+        elif field.name in _MAYBE_JSON.get(shape, ()):
+            columns.append(text_column(v, field.type))
+        else:
+            columns.append(pa.array(v, type=field.type))
+    return pa.Table.from_arrays(columns, schema=schema)

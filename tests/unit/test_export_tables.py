@@ -1,0 +1,105 @@
+"""The columnar table builder (``tables.table``) produces exactly the table the per-record mappers give
+(``to_table(records(...))``), for every shape and unit, on random trajectories as the recorder assembles them
+(empty turns, several segments, several weight versions, no reward, failed and truncated ones)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
+from rollout_ledger.services.exporter.rows import Chunk, unpack
+from rollout_ledger.services.exporter.tables import slices, table, to_table
+from rollout_ledger.shared.errors import SchemaError
+from tests.unit.test_export_records import _assembled, two_segment_row
+
+STATUSES = ("completed", "truncated", "aborted", "failed")
+
+
+def random_rows(seed: int, n: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        t = _assembled(rng, i)
+        reward = None if rng.random() < 0.1 else float(rng.integers(0, 3)) / 2
+        rows.append({
+            "episode_id": f"b.{i // 4}.{i % 4}", "group_id": f"b.{i // 4}", "batch_id": "b", "group_index": i % 4,
+            "env": ["arith", "tools"][i % 2], "attempt": int(rng.integers(1, 3)),
+            "status": STATUSES[int(rng.integers(0, 4))], "failure_class": None if rng.random() < 0.8 else "env",
+            "reward": reward, "rollout_reward": reward, "advantage": None if reward is None else float(rng.normal()),
+            "group_size": 4, "task": {"seed": i, "q": [1, {"b": 2, "a": None}]} if i % 3 else "a text task",
+            "prompt_text": None if i % 5 == 0 else f"prompt {i}", "token_ids": t.token_ids, "loss_mask": t.loss_mask,
+            "logprobs": t.logprobs, "weight_versions": t.weight_versions, "action_ranges": t.action_ranges,
+            "segments": t.segments, "num_segments": len(t.segments), "token_check": "ok" if i % 2 else None,
+            "drifts": [{"turn": 1, "class": "window"}] if len(t.segments) > 1 else [], "prompt_len": t.prompt_len,
+            "num_tokens": t.num_tokens, "num_sampled_tokens": t.num_sampled_tokens, "num_turns": t.num_turns,
+            "created_at": dt.datetime(2026, 11, 23, 7, i % 60, tzinfo=dt.UTC),
+            "reward_source": "judge@v2" if i % 7 == 0 else "rollout",
+        })
+    return rows
+
+
+@pytest.mark.parametrize("unit", list(Unit))
+@pytest.mark.parametrize("shape", list(SCHEMAS))
+def test_columnar_table_equals_the_record_mappers(shape: str, unit: Unit) -> None:
+    rows = [*random_rows(11, 300), two_segment_row()]
+    chunk = Chunk.from_rows(rows)
+    want = to_table([rec for row in rows for rec in records(row, shape, unit)], SCHEMAS[shape])
+    got = table(chunk, shape, unit)
+    assert got.schema == want.schema
+    assert got.num_rows == want.num_rows > 0
+    for name in want.column_names:
+        assert got.column(name).equals(want.column(name)), name
+
+
+@pytest.mark.parametrize("shape", list(SCHEMAS))
+def test_an_empty_chunk_gives_an_empty_table(shape: str) -> None:
+    got = table(Chunk.from_rows([]), shape)
+    assert got.num_rows == 0 and got.schema == SCHEMAS[shape]
+
+
+def test_chunk_rows_are_views_of_the_flat_arrays() -> None:
+    rows = random_rows(3, 20)
+    chunk = Chunk.from_rows(rows)
+    assert len(chunk) == 20
+    for want, got in zip(rows, chunk, strict=True):
+        for name in ("token_ids", "loss_mask", "logprobs", "weight_versions"):
+            assert got[name].tolist() == pytest.approx(np.asarray(want[name]).tolist())
+        assert got["episode_id"] == want["episode_id"] and got["segments"] == want["segments"]
+    assert chunk[-1]["episode_id"] == rows[-1]["episode_id"]
+    assert [r["episode_id"] for r in chunk[2:4]] == [rows[2]["episode_id"], rows[3]["episode_id"]]
+    with pytest.raises(IndexError):
+        chunk[20]
+
+
+def test_chunk_build_rebuilds_mask_and_versions_from_ranges() -> None:
+    rows = random_rows(5, 50)
+    given = Chunk.from_rows(rows)
+    columns = {k: list(v) for k, v in given.columns.items()}
+    built = Chunk.build(columns, given.arrays["token_ids"], given.arrays["logprobs"], given.lengths)
+    for name in ("loss_mask", "weight_versions"):
+        assert built.arrays[name].tolist() == given.arrays[name].tolist()
+    with pytest.raises(SchemaError, match="differ in length"):
+        Chunk.build(dict(columns), given.arrays["token_ids"], given.arrays["logprobs"][:-1], given.lengths)
+
+
+def test_unpack_reads_packed_little_endian_rows() -> None:
+    raws = [np.array([1, -2, 2**31 - 1], "<i4").tobytes(), b"", None, np.array([-(2**31)], "<i4").tobytes()]
+    flat, lengths = unpack(raws, np.dtype("<i4"))
+    assert flat.tolist() == [1, -2, 2**31 - 1, -(2**31)] and lengths.tolist() == [3, 0, 0, 1]
+    flat, lengths = unpack([np.array([0.5, -1.25], "<f4").tobytes()], np.dtype("<f4"))
+    assert flat.tolist() == [0.5, -1.25] and lengths.tolist() == [2]
+    with pytest.raises(SchemaError, match="whole number"):
+        unpack([b"\x00\x01\x02"], np.dtype("<i4"))
+
+
+def test_slices_gather_in_order_and_contiguous() -> None:
+    flat = np.arange(20, dtype=np.int32)
+    typ = pa.list_(pa.int32())
+    got = slices(flat, np.array([2, 10, 10]), np.array([5, 13, 10]), typ)
+    assert got.to_pylist() == [[2, 3, 4], [10, 11, 12], []]
+    assert slices(flat, np.array([0, 4]), np.array([4, 9]), typ).to_pylist() == [[0, 1, 2, 3], [4, 5, 6, 7, 8]]
+    assert slices(flat, np.array([], np.int64), np.array([], np.int64), typ).to_pylist() == []
