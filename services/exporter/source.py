@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import orjson
 import psycopg
+from psycopg import sql
 from psycopg.types.json import set_json_loads
 
 from rollout_ledger.services.exporter.rows import PACKED, Chunk, unpack
@@ -37,12 +38,20 @@ def read_chunk(conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]], sel: 
     """The stored rows of ``keys`` (``KEY_COLUMNS``), in the keys' order, as a ``Chunk`` (arrays unpacked);
     ``fields``: the row fields to read (all when None; see ``selection.rows_query``)."""
     query, names = rows_query(fields)
-    at = {name: i for i, name in enumerate(names)}
-    by_id: dict[str, tuple[Any, ...]] = {}
+    rows: list[tuple[Any, ...]] = []
     if keys:
         with conn.cursor(binary=True) as cur:
             cur.execute(query, {"ids": [k[0] for k in keys]})
-            by_id = {r[0]: r for r in cur.fetchall()}
+            rows = cur.fetchall()
+    return assemble(keys, rows, names, sel)
+
+
+def assemble(keys: list[tuple[Any, ...]], rows: list[tuple[Any, ...]], names: tuple[str, ...],
+             sel: Selection) -> Chunk:
+    """A ``Chunk`` of ``rows`` (``rows_query``'s, any order) in the order of ``keys``, with the keys' reward,
+    advantage and group size; a key whose row is missing or of another attempt means the read left its snapshot."""
+    at = {name: i for i, name in enumerate(names)}
+    by_id = {r[0]: r for r in rows}
     ordered = []
     attempt_at = at["attempt"]
     for eid, attempt, *_ in keys:
@@ -77,14 +86,16 @@ _DONE = object()
 
 def stream(database_url: str, sel: Selection, chunk: int = 500,
            fields: Collection[str] | None = None) -> Iterator[Chunk]:
-    """Selected rows in chunks of ``chunk``: keys from a server-side cursor, each chunk's rows by index lookups,
-    all in one REPEATABLE READ snapshot.
+    """Selected rows in chunks of ``chunk``: keys from a server-side cursor, each chunk's rows by index lookups on
+    a second connection that shares the first one's REPEATABLE READ snapshot (``pg_export_snapshot``).
 
-    A reader thread fetches and unpacks the next chunk while the caller maps and writes this one (Postgres, the
-    reader and the writer work at the same time); at most two chunks wait in between, so memory stays bounded by
-    the chunk size.
+    A reader thread fetches and unpacks the next chunk while the caller maps and writes this one, and the rows
+    connection runs in pipeline mode one query ahead, so Postgres looks up chunk n + 1 while chunk n is assembled
+    (Postgres, the reader and the writer work at the same time); at most two chunks wait in between, so memory
+    stays bounded by the chunk size.
     """
     query, params = build_query(sel)
+    rows_sql, names = rows_query(fields)
     chunks: queue.Queue[Any] = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -99,14 +110,30 @@ def stream(database_url: str, sel: Selection, chunk: int = 500,
 
     def read() -> None:
         try:
-            with connect(database_url) as conn:
-                conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-                with conn.transaction(), conn.cursor(name="rl_export_keys") as keys:
-                    keys.itersize = chunk
-                    keys.execute(query, params)
-                    while not stop.is_set() and (batch := keys.fetchmany(chunk)):
-                        if not put(read_chunk(conn, batch, sel, fields)):
-                            return
+            with connect(database_url) as kconn, connect(database_url) as rconn:
+                for conn in (kconn, rconn):
+                    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+                with kconn.transaction(), rconn.transaction():
+                    row = kconn.execute("SELECT pg_export_snapshot()").fetchone()
+                    rconn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(row[0] if row else "")))
+                    with kconn.cursor(name="rl_export_keys") as keys, rconn.pipeline() as pipeline:
+                        keys.itersize = chunk
+                        keys.execute(query, params)
+                        pending: tuple[psycopg.Cursor[Any], list[tuple[Any, ...]]] | None = None
+                        while not stop.is_set():
+                            batch = keys.fetchmany(chunk)
+                            cur = None
+                            if batch:  # sent now: the server runs it while the chunk before is assembled
+                                cur = rconn.cursor(binary=True)
+                                cur.execute(rows_sql, {"ids": [k[0] for k in batch]})
+                            if pending is not None:
+                                done, done_keys = pending
+                                if not put(assemble(done_keys, done.fetchall(), names, sel)):
+                                    return
+                            if cur is None:
+                                break
+                            pipeline.sync()
+                            pending = (cur, batch)
             put(_DONE)
         except BaseException as exc:  # handed to the consumer, raised there
             put(exc)

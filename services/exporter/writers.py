@@ -5,11 +5,14 @@ into them: Parquet takes each chunk as one columnar table (``tables.table``), JS
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
@@ -27,7 +30,8 @@ class AtomicWriter:
     """Writes the records of ``shape`` chunk by chunk to ``path`` via ``path.partial``; ``commit()`` fsyncs and
     renames (all or nothing)."""
 
-    def __init__(self, path: Path, file_type: str, shape: str, unit: Unit = Unit.SEGMENT) -> None:
+    def __init__(self, path: Path, file_type: str, shape: str, unit: Unit = Unit.SEGMENT,
+                 background: bool = False) -> None:
         if file_type not in FILE_TYPES:
             raise ValueError(f"unknown file type {file_type!r}; known: {', '.join(FILE_TYPES)}")
         if shape not in SCHEMAS:
@@ -45,13 +49,17 @@ class AtomicWriter:
             self._fh = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit()/abort()
         else:
             self._pq = pq.ParquetWriter(str(self.tmp), SCHEMAS[shape])
+        self._rows: _RowGroups | None = _RowGroups(self._pq) if background and self._pq is not None else None
 
     def write(self, chunk: Chunk) -> int:
         """Append a chunk's records (Parquet: one row group of the columnar table); returns how many."""
         if self._pq is not None:
             t = table(chunk, self.shape, self.unit)
             if t.num_rows:
-                self._pq.write_table(t)
+                if self._rows is not None:
+                    self._rows.put(t)
+                else:
+                    self._pq.write_table(t)
             n = t.num_rows
         else:
             recs = [rec for row in chunk for rec in records(row, self.shape, self.unit)]
@@ -61,6 +69,9 @@ class AtomicWriter:
         return n
 
     def commit(self, metadata: dict[str, str] | None = None) -> Path:
+        if self._rows is not None:
+            self._rows.finish()
+            self._rows = None
         if self._pq is not None:
             if metadata:
                 self._pq.add_key_value_metadata(metadata)
@@ -83,6 +94,9 @@ class AtomicWriter:
         return self.path
 
     def abort(self) -> None:
+        if self._rows is not None:
+            self._rows.cancel()
+            self._rows = None
         if self._pq is not None:
             self._pq.close()
             self._pq = None
@@ -92,10 +106,49 @@ class AtomicWriter:
         self.tmp.unlink(missing_ok=True)
 
 
+class _RowGroups:
+    """Parquet row groups written by a thread of their own: ``write_table`` releases the GIL while it encodes, so
+    the next chunk's table is built meanwhile (at most two tables wait: memory stays bounded by the chunk)."""
+
+    def __init__(self, writer: pq.ParquetWriter) -> None:
+        self._writer = writer
+        self._queue: queue.Queue[pa.Table | None] = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rl-export-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (t := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._writer.write_table(t)
+                except BaseException as exc:  # raised in the caller's thread by put()/finish()
+                    self._error = exc
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def put(self, t: pa.Table) -> None:
+        self._raise()
+        self._queue.put(t)
+
+    def finish(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+
+    def cancel(self) -> None:
+        self._error = self._error or RuntimeError("cancelled")
+        self._queue.put(None)
+        self._thread.join()
+
+
 def write_file(path: Path, file_type: str, shape: str, chunks: Iterable[Chunk], unit: Unit = Unit.SEGMENT,
                metadata: dict[str, str] | None = None) -> tuple[Path, int]:
-    """Write the records of every chunk atomically; returns the path and the number of records."""
-    writer = AtomicWriter(path, file_type, shape, unit)
+    """Write the records of every chunk atomically (Parquet row groups on a writer thread); returns the path and
+    the number of records."""
+    writer = AtomicWriter(path, file_type, shape, unit, background=True)
     try:
         for chunk in chunks:
             writer.write(chunk)

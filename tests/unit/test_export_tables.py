@@ -5,14 +5,18 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
 from rollout_ledger.services.exporter.rows import Chunk, unpack
 from rollout_ledger.services.exporter.tables import slices, table, to_table
+from rollout_ledger.services.exporter.writers import write_file
 from rollout_ledger.shared.errors import SchemaError
 from tests.unit.test_export_records import _assembled, two_segment_row
 
@@ -103,3 +107,44 @@ def test_slices_gather_in_order_and_contiguous() -> None:
     assert got.to_pylist() == [[2, 3, 4], [10, 11, 12], []]
     assert slices(flat, np.array([0, 4]), np.array([4, 9]), typ).to_pylist() == [[0, 1, 2, 3], [4, 5, 6, 7, 8]]
     assert slices(flat, np.array([], np.int64), np.array([], np.int64), typ).to_pylist() == []
+
+
+def test_write_file_writes_row_groups_on_a_thread_and_keeps_their_order(tmp_path: Path) -> None:
+    rows = random_rows(21, 120)
+    chunks = [Chunk.from_rows(rows[i:i + 25]) for i in range(0, 120, 25)]
+    path, count = write_file(tmp_path / "out.parquet", "parquet", "slime", chunks)
+    back = pq.read_table(path)
+    want = pa.concat_tables([table(c, "slime") for c in chunks])
+    assert count == want.num_rows == back.num_rows
+    assert back.replace_schema_metadata(None).equals(want)
+    assert pq.ParquetFile(path).metadata.num_row_groups == len(chunks)
+
+
+def test_a_failing_write_leaves_no_file_and_raises_in_the_caller(tmp_path: Path) -> None:
+    rows = random_rows(22, 40)
+
+    def chunks() -> Iterator[Chunk]:
+        yield Chunk.from_rows(rows[:20])
+        yield Chunk.from_rows(rows[20:])
+        raise SchemaError("the source broke mid-way")
+
+    with pytest.raises(SchemaError, match="mid-way"):
+        write_file(tmp_path / "out.parquet", "parquet", "full", chunks())
+    assert list(tmp_path.iterdir()) == []
+    broken = Chunk.from_rows(rows[:5])
+    broken.columns["segments"][0] = [[0, 10**6]]
+    with pytest.raises(SchemaError, match="outside"):
+        write_file(tmp_path / "out.parquet", "parquet", "verl", [Chunk.from_rows(rows[5:10]), broken])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_on_the_writer_thread_reaches_the_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full_disk(self: pq.ParquetWriter, t: pa.Table, row_group_size: int | None = None) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", full_disk)
+    rows = random_rows(23, 30)
+    chunks = [Chunk.from_rows(rows[i:i + 5]) for i in range(0, 30, 5)]
+    with pytest.raises(OSError, match="No space"):
+        write_file(tmp_path / "out.parquet", "parquet", "trl", chunks)
+    assert list(tmp_path.iterdir()) == []
