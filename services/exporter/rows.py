@@ -42,6 +42,23 @@ def unpack(raws: Sequence[bytes | memoryview | None], dtype: np.dtype[Any]) -> t
     return flat.astype(dtype.newbyteorder("="), copy=False), sizes // width
 
 
+def _spans(lengths: np.ndarray, bounds: np.ndarray, per_row: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``[start, end)`` pairs given per row (``bounds``: k x 2, relative to their row; ``per_row``: how many each
+    row has), checked (inside the row, ordered, not overlapping) and moved to chunk positions."""
+    if bounds.ndim != 2 or bounds.shape[1] != 2 or len(bounds) != int(per_row.sum()):
+        raise SchemaError(f"{what} are not [start, end) pairs")
+    sizes = np.asarray(lengths, np.int64)
+    row = np.repeat(np.arange(len(sizes)), per_row)
+    lo, hi = bounds[:, 0], bounds[:, 1]
+    if np.any(lo < 0) or np.any(hi < lo) or np.any(hi > sizes[row]):
+        raise SchemaError(f"an entry of {what} lies outside its trajectory")
+    starts = (np.cumsum(sizes) - sizes)[row]
+    lo, hi = lo + starts, hi + starts
+    if np.any(lo[1:] < hi[:-1]):
+        raise SchemaError(f"{what} overlap or are out of order")
+    return lo, hi
+
+
 def flat_ranges(lengths: np.ndarray, ranges: Sequence[Sequence[Sequence[int]]],
                 versions: Sequence[Sequence[int | None]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every action range of a chunk of rows laid end to end, checked: (start, end, weight version) as arrays in
@@ -58,17 +75,7 @@ def flat_ranges(lengths: np.ndarray, ranges: Sequence[Sequence[Sequence[int]]],
         vers = np.array([-1 if v is None else v for v in chain.from_iterable(versions)], np.int32)
     except (TypeError, ValueError) as exc:
         raise SchemaError(f"action ranges or their weight versions are malformed: {exc}") from exc
-    if len(bounds) != per_row.sum():
-        raise SchemaError("action ranges are not [start, end) pairs")
-    sizes = np.asarray(lengths, np.int64)
-    ends = np.cumsum(sizes)
-    starts = np.repeat(ends - sizes, per_row)
-    lo, hi = bounds[:, 0], bounds[:, 1]
-    if np.any(lo < 0) or np.any(hi < lo) or np.any(hi > np.repeat(sizes, per_row)):
-        raise SchemaError("an action range lies outside its trajectory")
-    lo, hi = lo + starts, hi + starts
-    if np.any(lo[1:] < hi[:-1]):
-        raise SchemaError("action ranges overlap or are out of order")
+    lo, hi = _spans(np.asarray(lengths, np.int64), bounds, per_row, "action ranges")
     return lo, hi, vers
 
 
@@ -102,17 +109,35 @@ def rebuild_sampled(lengths: Sequence[int], ranges: Sequence[Sequence[Sequence[i
     return [mask[a:b] for a, b in cuts], [wv[a:b] for a, b in cuts]
 
 
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+@dataclass(frozen=True)
+class Spans:
+    """``[start, end)`` pairs of every row of a chunk, in chunk positions, row ``i``'s being
+    ``[offsets[i], offsets[i + 1])`` of ``lo`` / ``hi`` (action ranges, with ``versions``; segments)."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    offsets: np.ndarray
+    versions: np.ndarray | None = None
+
+
 @dataclass(eq=False)
 class Chunk(Sequence[dict[str, Any]]):
-    """Selected trajectories by column: ``columns`` (one list per field: ids, scalars, ``action_ranges``,
-    ``segments``, ``range_versions``, ``task``...), ``arrays`` (each of ``ARRAYS`` as one flat array of the rows
-    laid end to end) and ``offsets`` (row ``i`` is ``[offsets[i], offsets[i + 1])`` of every array)."""
+    """Selected trajectories by column: ``columns`` (one list per scalar field: ids, counts, ``task``...),
+    ``arrays`` (each of ``ARRAYS`` as one flat array of the rows laid end to end), ``offsets`` (row ``i`` is
+    ``[offsets[i], offsets[i + 1])`` of every array), and the rows' action ranges (with the weight version of each)
+    and segments as flat ``Spans``."""
 
     columns: dict[str, list[Any]]
     arrays: dict[str, np.ndarray]
     offsets: np.ndarray
-    ranges: tuple[np.ndarray, np.ndarray, np.ndarray]
-    """Every action range as ``flat_ranges`` gives it: (start, end, weight version) in chunk positions."""
+    ranges: Spans
+    segments: Spans
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -133,6 +158,12 @@ class Chunk(Sequence[dict[str, Any]]):
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         row = {name: col[i] for name, col in self.columns.items()}
         row.update({name: arr[a:b] for name, arr in self.arrays.items()})
+        r0, r1 = int(self.ranges.offsets[i]), int(self.ranges.offsets[i + 1])
+        row["action_ranges"] = (np.stack([self.ranges.lo[r0:r1], self.ranges.hi[r0:r1]], axis=1) - a).tolist()
+        assert self.ranges.versions is not None
+        row["range_versions"] = [None if v < 0 else v for v in self.ranges.versions[r0:r1].tolist()]
+        s0, s1 = int(self.segments.offsets[i]), int(self.segments.offsets[i + 1])
+        row["segments"] = (np.stack([self.segments.lo[s0:s1], self.segments.hi[s0:s1]], axis=1) - a).tolist()
         return row
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -144,53 +175,63 @@ class Chunk(Sequence[dict[str, Any]]):
 
     @classmethod
     def empty(cls) -> Chunk:
-        none = np.empty(0, np.int64)
+        none = Spans(np.empty(0, np.int64), np.empty(0, np.int64), np.zeros(1, np.int64), np.empty(0, np.int32))
         return cls({}, {name: np.empty(0, np.float32 if name == "logprobs" else np.int32) for name in ARRAYS},
-                   np.zeros(1, np.int64), (none, none, np.empty(0, np.int32)))
+                   np.zeros(1, np.int64), none, none)
 
     @classmethod
-    def build(cls, columns: dict[str, list[Any]], token_ids: np.ndarray, logprobs: np.ndarray,
-              lengths: np.ndarray) -> Chunk:
-        """A chunk from its per-row columns (which must hold ``action_ranges`` and ``range_versions``; missing
-        ``segments`` become one segment per row) and its two flat sampled arrays: ``loss_mask`` and
-        ``weight_versions`` are rebuilt."""
+    def build(cls, columns: dict[str, list[Any]], token_ids: np.ndarray, logprobs: np.ndarray, lengths: np.ndarray,
+              ranges: np.ndarray, range_counts: np.ndarray, versions: np.ndarray, segments: np.ndarray,
+              segment_counts: np.ndarray) -> Chunk:
+        """A chunk from its per-row scalar columns, its two flat sampled arrays (``lengths`` per row), its action
+        ranges (k x 2, relative to their row; ``range_counts`` per row) with one weight version each (-1: none),
+        and its segments (m x 2, ``segment_counts`` per row; a row without any gets one covering it): the ranges
+        and segments are checked, ``loss_mask`` and ``weight_versions`` rebuilt."""
         n = len(lengths)
         if len(token_ids) != len(logprobs) or int(np.sum(lengths)) != len(token_ids):
             raise SchemaError("token_ids and logprobs of a trajectory differ in length")
         for name, col in columns.items():
             if len(col) != n:
                 raise SchemaError(f"column {name} has {len(col)} values for {n} rows")
-        lens = lengths.tolist()
-        columns["action_ranges"] = [r or [] for r in columns.get("action_ranges", [None] * n)]
-        columns["range_versions"] = [v or [] for v in columns.get("range_versions", [None] * n)]
-        columns["segments"] = [s or [[0, k]] for s, k in zip(columns.get("segments", [None] * n), lens,
-                                                             strict=True)]
-        ranges = flat_ranges(lengths, columns["action_ranges"], columns["range_versions"])
-        mask, wv = mask_and_versions(len(token_ids), *ranges)
-        offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        return cls(columns, {"token_ids": token_ids, "loss_mask": mask, "logprobs": logprobs,
-                             "weight_versions": wv}, offsets, ranges)
+        if len(versions) != len(ranges):
+            raise SchemaError("one weight version per action range expected")
+        lo, hi = _spans(lengths, ranges, range_counts, "action ranges")
+        if np.any(segment_counts == 0):  # a row without segments is one segment
+            per_row = np.split(segments, np.cumsum(segment_counts)[:-1]) if n else []
+            segments = np.concatenate([s if len(s) else np.array([[0, k]], np.int64)
+                                       for s, k in zip(per_row, lengths.tolist(), strict=True)]).reshape(-1, 2)
+            segment_counts = np.maximum(segment_counts, 1)
+        seg_lo, seg_hi = _spans(lengths, segments, segment_counts, "segments")
+        vers = versions.astype(np.int32)
+        mask, wv = mask_and_versions(len(token_ids), lo, hi, vers)
+        return cls(columns, {"token_ids": token_ids, "loss_mask": mask, "logprobs": logprobs, "weight_versions": wv},
+                   _offsets(lengths), Spans(lo, hi, _offsets(range_counts), vers),
+                   Spans(seg_lo, seg_hi, _offsets(segment_counts)))
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> Chunk:
         """A chunk of row dicts holding numpy/list arrays (tests, examples): ``loss_mask`` and ``weight_versions``
-        are taken as given, ``range_versions`` derived from them when missing."""
-        names = [k for k in (rows[0] if rows else {}) if k not in ARRAYS]
-        columns: dict[str, list[Any]] = {k: [r.get(k) for r in rows] for k in names}
-        if "range_versions" not in columns:
-            columns["range_versions"] = [
-                [int(r["weight_versions"][a]) if b > a else None for a, b in r.get("action_ranges") or []]
-                for r in rows]
+        are taken as given (they must agree with the ranges), ``range_versions`` derived from them when missing."""
         lengths = np.fromiter((len(r["token_ids"]) for r in rows), np.int64, len(rows))
-        offsets = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        arrays = {name: np.concatenate([np.asarray(r[name], dt) for r in rows]) if rows else np.empty(0, dt)
-                  for name, dt in (("token_ids", np.int32), ("loss_mask", np.int32), ("logprobs", np.float32),
-                                   ("weight_versions", np.int32))}
-        n = len(rows)
-        columns["action_ranges"] = [r or [] for r in columns.get("action_ranges", [None] * n)]
-        columns["segments"] = [s or [[0, k]] for s, k in zip(columns.get("segments", [None] * n), lengths.tolist(),
-                                                             strict=True)]
-        return cls(columns, arrays, offsets, flat_ranges(lengths, columns["action_ranges"],
-                                                         columns["range_versions"]))
+        ranges = [r.get("action_ranges") or [] for r in rows]
+        versions = [r["range_versions"] if r.get("range_versions") is not None else
+                    [int(r["weight_versions"][a]) if b > a else None for a, b in rr]
+                    for r, rr in zip(rows, ranges, strict=True)]
+        segments = [r.get("segments") or [] for r in rows]
+        skip = {*ARRAYS, "action_ranges", "range_versions", "segments"}
+        names = [k for k in (rows[0] if rows else {}) if k not in skip]
+        columns: dict[str, list[Any]] = {k: [r.get(k) for r in rows] for k in names}
+
+        def flat(values: Sequence[Sequence[Any]]) -> np.ndarray:
+            return np.array(list(chain.from_iterable(values)), np.int64).reshape(-1, 2)
+
+        def cat(name: str, dt: type) -> np.ndarray:
+            return np.concatenate([np.asarray(r[name], dt) for r in rows]) if rows else np.empty(0, dt)
+
+        chunk = cls.build(columns, cat("token_ids", np.int32), cat("logprobs", np.float32), lengths, flat(ranges),
+                          np.fromiter(map(len, ranges), np.int64, len(rows)),
+                          np.array([-1 if v is None else v for v in chain.from_iterable(versions)], np.int64),
+                          flat(segments), np.fromiter(map(len, segments), np.int64, len(rows)))
+        chunk.arrays["loss_mask"] = cat("loss_mask", np.int32)
+        chunk.arrays["weight_versions"] = cat("weight_versions", np.int32)
+        return chunk

@@ -116,19 +116,38 @@ ALWAYS_READ = ("episode_id", "attempt", "token_ids", "logprobs", "range_versions
 """What every read takes, whatever the record shape (a ``Chunk`` needs them)."""
 
 
+PACKED_FIELDS = ("token_ids", "logprobs")
+"""Fields read as packed bytes: a chunk's values come concatenated, with each row's byte length."""
+PAIR_FIELDS = ("action_ranges", "segments", "range_versions")
+"""Small per-row int arrays: a chunk's values come as one comma-separated text (NULL as -1), with each row's
+number of values."""
+
+
 def rows_query(fields: Collection[str] | None = None) -> tuple[str, tuple[str, ...]]:
-    """The query reading one chunk of selected episodes' stored rows (index lookups by ``%(ids)s``; no sort of wide
-    rows on the server), and the fields it returns in order: ``fields`` (all when None) plus ``ALWAYS_READ``."""
+    """The query reading one chunk of selected episodes (``%(ids)s``, in export order) as ONE row: a column per
+    field holding the chunk's values in the ids' order (``array_agg``; packed bytes concatenated, small int arrays
+    as text, each with per-row lengths), so the client turns a chunk into a few arrays instead of one Python object
+    per field and row. Returns the query and the fields: ``fields`` (all when None) plus ``ALWAYS_READ``, each
+    ``PACKED_FIELDS`` / ``PAIR_FIELDS`` entry taking two columns (values, per-row lengths)."""
     wanted = set(ROW_COLUMNS if fields is None else fields) | set(ALWAYS_READ)
     unknown = wanted - set(ROW_SQL)
     if unknown:
         raise ValueError(f"unknown row fields: {', '.join(sorted(unknown))}")
     names = tuple(c for c in ROW_COLUMNS if c in wanted)
-    sql = ", ".join(ROW_SQL[c] for c in names)
+    cols = []
+    for c in names:
+        expr = ROW_SQL[c]
+        if c in PACKED_FIELDS:
+            cols += [f"string_agg({expr}, ''::bytea ORDER BY k.ord)", f"array_agg(octet_length({expr}) ORDER BY k.ord)"]
+        elif c in PAIR_FIELDS:
+            cols += [f"string_agg(nullif(array_to_string({expr}, ',', '-1'), ''), ',' ORDER BY k.ord)",
+                     f"array_agg(cardinality({expr}) ORDER BY k.ord)"]
+        else:
+            cols.append(f"array_agg({expr} ORDER BY k.ord)")
     episodes = any(ROW_SQL[c].startswith("e.") for c in names)
-    return (f"SELECT {sql} FROM trajectories t "
-            + ("JOIN episodes e ON e.id = t.episode_id " if episodes else "")
-            + "WHERE t.episode_id = ANY(%(ids)s)"), names
+    return ("SELECT " + ", ".join(cols) + " FROM unnest(%(ids)s::text[]) WITH ORDINALITY AS k(id, ord) "
+            "JOIN trajectories t ON t.episode_id = k.id "
+            + ("JOIN episodes e ON e.id = k.id" if episodes else "")), names
 
 
 def build_query(sel: Selection, scope: Scope | None = None) -> tuple[str, dict[str, Any]]:

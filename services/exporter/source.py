@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Collection, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
 import orjson
 import psycopg
-from psycopg import sql
+from psycopg import Pipeline, sql
 from psycopg.types.json import set_json_loads
 
-from rollout_ledger.services.exporter.rows import PACKED, Chunk, unpack
-from rollout_ledger.services.exporter.selection import Scope, Selection, build_query, rows_query
+from rollout_ledger.services.exporter.rows import PACKED, Chunk
+from rollout_ledger.services.exporter.selection import (
+    PACKED_FIELDS,
+    PAIR_FIELDS,
+    Scope,
+    Selection,
+    build_query,
+    rows_query,
+)
 from rollout_ledger.shared.errors import SchemaError, StoreError
 from rollout_ledger.shared.settings import normalize_database_url
 
@@ -35,39 +44,57 @@ def connect(database_url: str, *, autocommit: bool = False) -> psycopg.Connectio
 
 def read_chunk(conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]], sel: Selection,
                fields: Collection[str] | None = None) -> Chunk:
-    """The stored rows of ``keys`` (``KEY_COLUMNS``), in the keys' order, as a ``Chunk`` (arrays unpacked);
-    ``fields``: the row fields to read (all when None; see ``selection.rows_query``)."""
+    """The stored rows of ``keys`` (``KEY_COLUMNS``), in the keys' order, as a ``Chunk``; ``fields``: the row
+    fields to read (all when None; see ``selection.rows_query``)."""
     query, names = rows_query(fields)
-    rows: list[tuple[Any, ...]] = []
+    row: tuple[Any, ...] | None = None
     if keys:
         with conn.cursor(binary=True) as cur:
             cur.execute(query, {"ids": [k[0] for k in keys]})
-            rows = cur.fetchall()
-    return assemble(keys, rows, names, sel)
+            row = cur.fetchone()
+    return assemble(keys, row, names, sel)
 
 
-def assemble(keys: list[tuple[Any, ...]], rows: list[tuple[Any, ...]], names: tuple[str, ...],
+def _ints(text: str | None, counts: list[int] | None, what: str) -> tuple[np.ndarray, np.ndarray]:
+    per_row = np.array(counts or [], np.int64)
+    values = np.fromstring(text or "", dtype=np.int64, sep=",")
+    if len(values) != int(per_row.sum()):
+        raise SchemaError(f"{what}: {len(values)} values for {int(per_row.sum())} announced")
+    return values, per_row
+
+
+def assemble(keys: list[tuple[Any, ...]], row: tuple[Any, ...] | None, names: tuple[str, ...],
              sel: Selection) -> Chunk:
-    """A ``Chunk`` of ``rows`` (``rows_query``'s, any order) in the order of ``keys``, with the keys' reward,
-    advantage and group size; a key whose row is missing or of another attempt means the read left its snapshot."""
-    at = {name: i for i, name in enumerate(names)}
-    by_id = {r[0]: r for r in rows}
-    ordered = []
-    attempt_at = at["attempt"]
-    for eid, attempt, *_ in keys:
-        row = by_id.get(eid)
-        if row is None or row[attempt_at] != attempt:
-            raise StoreError(f"trajectory {eid} changed during the read (not in one snapshot?)", retryable=True)
-        ordered.append(row)
-    cols = list(zip(*ordered, strict=True)) if ordered else [()] * len(names)
-    columns = {name: list(col) for name, col in zip(names, cols, strict=True) if name not in PACKED}
+    """A ``Chunk`` of the one row ``rows_query`` returns for ``keys`` (already in their order), with the keys'
+    reward, advantage and group size. A key without its stored row (or of another attempt) means the read left
+    its snapshot."""
+    if not keys:
+        return Chunk.empty()
+    values: dict[str, Any] = {}
+    at = 0
+    for name in names:
+        width = 2 if name in PACKED_FIELDS or name in PAIR_FIELDS else 1
+        values[name] = row[at:at + width] if row is not None and width == 2 else (row[at] if row else None)
+        at += width
+    ids = [k[0] for k in keys]
+    if values["episode_id"] != ids or values["attempt"] != [k[1] for k in keys]:
+        raise StoreError("a trajectory changed during the read (not in one snapshot?)", retryable=True)
+    columns = {name: list(v) for name, v in values.items() if name not in PACKED_FIELDS and name not in PAIR_FIELDS}
     columns.update(reward=[k[2] for k in keys], advantage=[k[3] for k in keys], group_size=[k[4] for k in keys],
                    reward_source=[str(sel.reward) if sel.reward else "rollout"] * len(keys))
-    token_ids, lengths = unpack(cols[at["token_ids"]], PACKED["token_ids"])
-    logprobs, lp_lengths = unpack(cols[at["logprobs"]], PACKED["logprobs"])
-    if not np.array_equal(lengths, lp_lengths) or lengths.tolist() != columns["num_tokens"]:
+    (tok_bytes, tok_sizes), (lp_bytes, lp_sizes) = values["token_ids"], values["logprobs"]
+    token_ids = np.frombuffer(tok_bytes or b"", PACKED["token_ids"]).astype(np.int32, copy=False)
+    logprobs = np.frombuffer(lp_bytes or b"", PACKED["logprobs"]).astype(np.float32, copy=False)
+    lengths = np.array(columns["num_tokens"], np.int64)
+    if tok_sizes != lp_sizes or np.any(np.array(tok_sizes, np.int64) != 4 * lengths):
         raise SchemaError("a trajectory's packed token_ids, logprobs and num_tokens disagree in length")
-    return Chunk.build(columns, token_ids, logprobs, lengths)
+    ranges, range_values = _ints(values["action_ranges"][0], values["action_ranges"][1], "action_ranges")
+    versions, version_counts = _ints(values["range_versions"][0], values["range_versions"][1], "action_versions")
+    segments, segment_values = _ints(values["segments"][0], values["segments"][1], "segments")
+    if np.any(range_values % 2) or np.any(segment_values % 2) or np.any(range_values // 2 != version_counts):
+        raise SchemaError("action ranges, their versions or segments are not [start, end) pairs")
+    return Chunk.build(columns, token_ids, logprobs, lengths, ranges.reshape(-1, 2), range_values // 2, versions,
+                       segments.reshape(-1, 2), segment_values // 2)
 
 
 def fetch(conn: psycopg.Connection[Any], sel: Selection, scope: Scope | None = None,
@@ -85,7 +112,7 @@ _DONE = object()
 
 
 def stream(database_url: str, sel: Selection, chunk: int = 500,
-           fields: Collection[str] | None = None) -> Iterator[Chunk]:
+           fields: Collection[str] | None = None, lookups: int = 2) -> Iterator[Chunk]:
     """Selected rows in chunks of ``chunk``: keys from a server-side cursor, each chunk's rows by index lookups on
     a second connection that shares the first one's REPEATABLE READ snapshot (``pg_export_snapshot``).
 
@@ -110,30 +137,36 @@ def stream(database_url: str, sel: Selection, chunk: int = 500,
 
     def read() -> None:
         try:
-            with connect(database_url) as kconn, connect(database_url) as rconn:
-                for conn in (kconn, rconn):
+            with ExitStack() as stack:
+                kconn = stack.enter_context(connect(database_url))
+                rconns = [stack.enter_context(connect(database_url)) for _ in range(lookups)]
+                for conn in (kconn, *rconns):
                     conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-                with kconn.transaction(), rconn.transaction():
-                    row = kconn.execute("SELECT pg_export_snapshot()").fetchone()
-                    rconn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(row[0] if row else "")))
-                    with kconn.cursor(name="rl_export_keys") as keys, rconn.pipeline() as pipeline:
-                        keys.itersize = chunk
-                        keys.execute(query, params)
-                        pending: tuple[psycopg.Cursor[Any], list[tuple[Any, ...]]] | None = None
-                        while not stop.is_set():
-                            batch = keys.fetchmany(chunk)
-                            cur = None
-                            if batch:  # sent now: the server runs it while the chunk before is assembled
-                                cur = rconn.cursor(binary=True)
-                                cur.execute(rows_sql, {"ids": [k[0] for k in batch]})
-                            if pending is not None:
-                                done, done_keys = pending
-                                if not put(assemble(done_keys, done.fetchall(), names, sel)):
-                                    return
-                            if cur is None:
-                                break
-                            pipeline.sync()
-                            pending = (cur, batch)
+                    stack.enter_context(conn.transaction())
+                row = kconn.execute("SELECT pg_export_snapshot()").fetchone()
+                for conn in rconns:
+                    conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(row[0] if row else "")))
+                pipes = [(conn, stack.enter_context(conn.pipeline())) for conn in rconns]
+                keys = stack.enter_context(kconn.cursor(name="rl_export_keys"))
+                keys.itersize = chunk
+                keys.execute(query, params)
+                pending: deque[tuple[psycopg.Cursor[Any], Pipeline, list[tuple[Any, ...]]]] = deque()
+                sent = 0
+                while not stop.is_set():
+                    batch = keys.fetchmany(chunk)
+                    if batch:  # sent now: Postgres looks it up while earlier chunks are assembled
+                        conn, pipe = pipes[sent % len(pipes)]
+                        cur = conn.cursor(binary=True)
+                        cur.execute(rows_sql, {"ids": [k[0] for k in batch]})
+                        pending.append((cur, pipe, batch))
+                        sent += 1
+                    if pending and (len(pending) > len(pipes) - 1 or not batch):
+                        cur, pipe, done_keys = pending.popleft()
+                        pipe.sync()
+                        if not put(assemble(done_keys, cur.fetchone(), names, sel)):
+                            return
+                    if not batch and not pending:
+                        break
             put(_DONE)
         except BaseException as exc:  # handed to the consumer, raised there
             put(exc)

@@ -10,7 +10,6 @@ numpy index arithmetic); the full record's token columns are the flat arrays the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,6 @@ import pyarrow as pa
 
 from rollout_ledger.services.exporter.records import _SLIME_STATUS, SCHEMAS, Unit
 from rollout_ledger.services.exporter.rows import Chunk
-from rollout_ledger.shared.errors import SchemaError
 
 
 def _json_text(v: Any) -> Any:
@@ -64,25 +62,15 @@ def to_table(records: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:
 
 class Samples:
     """The samples of a chunk: for each, its row and ``[start, prompt_end, end)`` in the chunk's flat arrays,
-    found for the whole chunk at once (``records.span_bounds`` per trajectory is the reference; segments must be
-    ordered and disjoint within their trajectory, as the recorder writes them)."""
+    found for the whole chunk at once (``records.span_bounds`` per trajectory is the reference; the chunk's
+    segments and ranges are ordered and disjoint, ``Chunk.build`` checks it)."""
 
     def __init__(self, chunk: Chunk, unit: Unit) -> None:
         n = len(chunk)
         offsets = chunk.offsets
-        per_row = np.fromiter(map(len, chunk.columns["segments"]), np.int64, n)
-        try:
-            seg = np.array(list(chain.from_iterable(chunk.columns["segments"])), np.int64).reshape(-1, 2)
-        except (TypeError, ValueError) as exc:
-            raise SchemaError(f"segments are malformed: {exc}") from exc
-        seg_row = np.repeat(np.arange(n), per_row)
-        lengths = np.diff(offsets)
-        if np.any(seg[:, 0] < 0) or np.any(seg[:, 1] < seg[:, 0]) or np.any(seg[:, 1] > lengths[seg_row]):
-            raise SchemaError("a segment lies outside its trajectory")
-        seg_lo, seg_hi = seg[:, 0] + offsets[seg_row], seg[:, 1] + offsets[seg_row]
-        if np.any(seg_lo[1:] < seg_hi[:-1]):
-            raise SchemaError("segments overlap or are out of order")
-        rlo, rhi, _ = chunk.ranges
+        seg_lo, seg_hi = chunk.segments.lo, chunk.segments.hi
+        seg_row = np.repeat(np.arange(n), np.diff(chunk.segments.offsets))
+        rlo, rhi = chunk.ranges.lo, chunk.ranges.hi
         sampled = rhi > rlo
         a, b = rlo[sampled], rhi[sampled]
         if unit is Unit.SEGMENT:
@@ -165,7 +153,8 @@ def span_versions(s: Samples, lo: np.ndarray) -> pa.Array:
     ``records._versions``), as one ``list<int32>`` column: each non-empty range with a version is assigned to the
     sample it starts in by one ``searchsorted`` when the windows are disjoint (samples are ordered in the chunk's
     positions); overlapping windows (per-turn samples over their whole segment) are counted one by one."""
-    rlo, rhi, rv = s.chunk.ranges
+    rlo, rhi, rv = s.chunk.ranges.lo, s.chunk.ranges.hi, s.chunk.ranges.versions
+    assert rv is not None
     keep = (rhi > rlo) & (rv >= 0)
     starts, vers = rlo[keep], rv[keep].astype(np.int64)
     if np.any(lo[1:] < s.end[:-1]):
@@ -200,12 +189,38 @@ def _sources(s: Samples) -> list[str]:
     return [str(v or "rollout") for v in s.column("reward_source")]
 
 
+def trained_ranges(s: Samples, typ: pa.DataType) -> pa.Array:
+    """Each sample's action ranges that overlap its response ``[prompt_end, end)`` (an empty range strictly
+    inside counts), clipped to it and relative to the sample's start, as one ``list<list<int32>>`` column: ranges
+    are ordered and disjoint, so a sample's are the contiguous run found by two ``searchsorted``."""
+    lo, hi = s.chunk.ranges.lo, s.chunk.ranges.hi
+    first = np.searchsorted(hi, s.prompt_end, side="right")
+    last = np.maximum(np.searchsorted(lo, s.end, side="left"), first)
+    counts = last - first
+    outer = _offsets(counts)
+    at = np.repeat(first - outer[:-1], counts) + np.arange(int(outer[-1]), dtype=np.int64)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    pairs = np.stack([np.maximum(lo[at], s.prompt_end[owner]), np.minimum(hi[at], s.end[owner])], axis=1)
+    pairs -= s.start[owner][:, None]
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(0, 2 * len(at) + 1, 2, dtype=np.int32)),
+                                     pa.array(pairs.reshape(-1).astype(np.int32), pa.int32()))
+    return pa.ListArray.from_arrays(pa.array(outer), inner, type=typ)
+
+
+def _nested(spans_lo: np.ndarray, spans_hi: np.ndarray, row_offsets: np.ndarray, base: np.ndarray,
+            typ: pa.DataType) -> pa.Array:
+    """Every row's ``[start, end)`` pairs, relative to the row, as one ``list<list<int32>>`` column."""
+    owner = np.repeat(np.arange(len(row_offsets) - 1), np.diff(row_offsets))
+    pairs = np.stack([spans_lo - base[owner], spans_hi - base[owner]], axis=1).reshape(-1).astype(np.int32)
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(0, len(pairs) + 1, 2, dtype=np.int32)),
+                                     pa.array(pairs, pa.int32()))
+    return pa.ListArray.from_arrays(pa.array(row_offsets.astype(np.int32)), inner, type=typ)
+
+
 def _openrlhf(s: Samples) -> dict[str, Any]:
     arr, f = s.chunk.arrays, SCHEMAS["openrlhf"]
     cols = s.chunk.columns
-    rel = s.rel.tolist()
-    actions = [[[max(a, p) - st, min(b, e) - st] for a, b in cols["action_ranges"][r] if a < e and b > p]
-               for r, (st, p, e) in zip(s.rows.tolist(), rel, strict=True)]
+    actions = trained_ranges(s, f.field("action_ranges").type)
     reward, advantage = s.column("reward"), s.column("advantage")
     versions = span_versions(s, s.start).to_pylist()
     logs = [{"num_turns": cols["num_turns"][r], "prompt_len": cols["prompt_len"][r],
@@ -289,6 +304,11 @@ def _full(chunk: Chunk) -> dict[str, Any]:
     out["reward_source"] = [str(v or "rollout") for v in cols["reward_source"]]
     for name in ("token_ids", "loss_mask", "logprobs", "weight_versions"):
         out[name] = _list(chunk.arrays[name], offsets, f.field(name).type)
+    base = chunk.offsets[:-1]
+    out["action_ranges"] = _nested(chunk.ranges.lo, chunk.ranges.hi, chunk.ranges.offsets, base,
+                                   f.field("action_ranges").type)
+    out["segments"] = _nested(chunk.segments.lo, chunk.segments.hi, chunk.segments.offsets, base,
+                              f.field("segments").type)
     return out
 
 

@@ -122,14 +122,15 @@ def test_rebuilt_mask_and_versions_equal_what_assembly_stores() -> None:
 
 
 def test_a_built_chunk_reads_two_arrays_and_rebuilds_two() -> None:
-    columns = {"episode_id": ["a", "b"], "action_ranges": [[[1, 3], [4, 4]], None], "range_versions": [[2, None], None],
-               "segments": [None, None]}
-    chunk = Chunk.build(columns, np.array([5, 6, 7, 8, 9], np.int32),
-                        np.array([0, -0.5, -0.25, 0, 0], np.float32), np.array([5, 0]))
+    chunk = Chunk.build({"episode_id": ["a", "b"]}, np.array([5, 6, 7, 8, 9], np.int32),
+                        np.array([0, -0.5, -0.25, 0, 0], np.float32), np.array([5, 0]),
+                        np.array([[1, 3], [4, 4]]), np.array([2, 0]), np.array([2, -1]), np.zeros((0, 2), np.int64),
+                        np.array([0, 0]))
     first, empty = chunk
     assert first["token_ids"].tolist() == [5, 6, 7, 8, 9] and first["logprobs"].tolist() == [0, -0.5, -0.25, 0, 0]
     assert first["loss_mask"].tolist() == [0, 1, 1, 0, 0] and first["weight_versions"].tolist() == [-1, 2, 2, -1, -1]
     assert first["segments"] == [[0, 5]] and first["range_versions"] == [2, None]
+    assert first["action_ranges"] == [[1, 3], [4, 4]]
     assert empty["loss_mask"].tolist() == [] and empty["action_ranges"] == [] and empty["segments"] == [[0, 0]]
 
 

@@ -82,12 +82,27 @@ def test_chunk_rows_are_views_of_the_flat_arrays() -> None:
 def test_chunk_build_rebuilds_mask_and_versions_from_ranges() -> None:
     rows = random_rows(5, 50)
     given = Chunk.from_rows(rows)
-    columns = {k: list(v) for k, v in given.columns.items()}
-    built = Chunk.build(columns, given.arrays["token_ids"], given.arrays["logprobs"], given.lengths)
+
+    def build(logprobs: np.ndarray, segments: list | None = None) -> Chunk:
+        segs = [r["segments"] for r in rows] if segments is None else segments
+        return Chunk.build(
+            {k: list(v) for k, v in given.columns.items()}, given.arrays["token_ids"], logprobs, given.lengths,
+            np.array([p for r in rows for p in r["action_ranges"]], np.int64).reshape(-1, 2),
+            np.array([len(r["action_ranges"]) for r in rows]), given.ranges.versions,
+            np.array([p for s in segs for p in s], np.int64).reshape(-1, 2), np.array([len(s) for s in segs]))
+
+    built = build(given.arrays["logprobs"])
     for name in ("loss_mask", "weight_versions"):
         assert built.arrays[name].tolist() == given.arrays[name].tolist()
+    assert [r["segments"] for r in built] == [r["segments"] for r in rows]
     with pytest.raises(SchemaError, match="differ in length"):
-        Chunk.build(dict(columns), given.arrays["token_ids"], given.arrays["logprobs"][:-1], given.lengths)
+        build(given.arrays["logprobs"][:-1])
+    with pytest.raises(SchemaError, match="segments lies outside"):
+        build(given.arrays["logprobs"], [[[0, 10**6]]] + [r["segments"] for r in rows[1:]])
+    with pytest.raises(SchemaError, match="segments overlap"):
+        build(given.arrays["logprobs"], [[[0, 1], [0, 1]]] + [r["segments"] for r in rows[1:]])
+    no_segments = build(given.arrays["logprobs"], [[] for _ in rows])
+    assert [r["segments"] for r in no_segments] == [[[0, n]] for n in given.lengths.tolist()]
 
 
 def test_unpack_reads_packed_little_endian_rows() -> None:
@@ -131,10 +146,14 @@ def test_a_failing_write_leaves_no_file_and_raises_in_the_caller(tmp_path: Path)
     with pytest.raises(SchemaError, match="mid-way"):
         write_file(tmp_path / "out.parquet", "parquet", "full", chunks())
     assert list(tmp_path.iterdir()) == []
-    broken = Chunk.from_rows(rows[:5])
-    broken.columns["segments"][0] = [[0, 10**6]]
+
+    def broken() -> Iterator[Chunk]:
+        yield Chunk.from_rows(rows[5:10])
+        bad = dict(rows[0], segments=[[0, 10**6]])
+        yield Chunk.from_rows([bad])
+
     with pytest.raises(SchemaError, match="outside"):
-        write_file(tmp_path / "out.parquet", "parquet", "verl", [Chunk.from_rows(rows[5:10]), broken])
+        write_file(tmp_path / "out.parquet", "parquet", "verl", broken())
     assert list(tmp_path.iterdir()) == []
 
 
