@@ -113,13 +113,14 @@ _DONE = object()
 
 def stream(database_url: str, sel: Selection, chunk: int = 500,
            fields: Collection[str] | None = None, lookups: int = 2) -> Iterator[Chunk]:
-    """Selected rows in chunks of ``chunk``: keys from a server-side cursor, each chunk's rows by index lookups on
-    a second connection that shares the first one's REPEATABLE READ snapshot (``pg_export_snapshot``).
+    """Selected rows in chunks of ``chunk``: keys from a server-side cursor, each chunk's rows by index lookups
+    (one row of arrays per chunk, ``selection.rows_query``) on ``lookups`` more connections that share the first
+    one's REPEATABLE READ snapshot (``pg_export_snapshot``), taking chunks in turn.
 
-    A reader thread fetches and unpacks the next chunk while the caller maps and writes this one, and the rows
-    connection runs in pipeline mode one query ahead, so Postgres looks up chunk n + 1 while chunk n is assembled
-    (Postgres, the reader and the writer work at the same time); at most two chunks wait in between, so memory
-    stays bounded by the chunk size.
+    A reader thread fetches and unpacks chunks while the caller maps and writes the one before; each lookup
+    connection runs in pipeline mode with one query in flight, so Postgres looks up the next chunks while this one
+    is assembled (Postgres, the reader and the writer work at the same time); at most ``lookups`` chunks are in
+    flight and two wait for the caller, so memory stays bounded by the chunk size.
     """
     query, params = build_query(sel)
     rows_sql, names = rows_query(fields)

@@ -12,19 +12,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import psycopg
 import pytest
 from sqlalchemy import create_engine, insert
 from sqlalchemy.engine import make_url
 
 from rollout_ledger.migrations.runner import sync_url
-from rollout_ledger.services.exporter.source import libpq_url
 from rollout_ledger.shared import deploy
 from rollout_ledger.shared.db import batches, episodes
 from rollout_ledger.shared.errors import RolloutError
 from tests.deploy.manifests import K8S
 from tests.helpers import wait_for
-from tests.integration.export_data import Traj, seed_batch
+from tests.integration.export_data import Traj, consumer_claimed, seed_batch
 
 SCRIPT = K8S / "base" / "export_finished.py"
 
@@ -105,16 +103,6 @@ async def test_streams_and_buckets_take_their_replicas_from_the_setting(
         bus.stream_replicas(None)
 
 
-def _claimed(database_url: str, consumer: str) -> bool:
-    """Whether some session holds the consumer's advisory lock (see services/exporter/cursor.py)."""
-    with psycopg.connect(libpq_url(database_url)) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
-            "(classid::bigint << 32 | objid::bigint) = hashtextextended(%s, 0) AND objsubid = 1",
-            (f"rollout-export:{consumer}",)).fetchone()
-    return bool(row and row[0])
-
-
 def test_exporter_deployment_command_one_reader_and_sigterm(database_url: str, tmp_path: Path) -> None:
     """The exporter Deployment's exact arguments: files land; a second replica exits 1 at once; SIGTERM exits 0."""
     workload = deploy.WORKLOADS["exporter"]
@@ -127,7 +115,7 @@ def test_exporter_deployment_command_one_reader_and_sigterm(database_url: str, t
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: len(list(out.glob(f"{deploy.EXPORT_CONSUMER}.*.parquet"))) == 1, 60, "a delivery file")
-        wait_for(lambda: _claimed(database_url, deploy.EXPORT_CONSUMER), 30, "the consumer's lock")
+        wait_for(lambda: consumer_claimed(database_url, deploy.EXPORT_CONSUMER), 30, "the consumer's lock")
         second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
         assert second.returncode == 1
         assert f"consumer '{deploy.EXPORT_CONSUMER}' is being read by another process" in second.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -117,3 +118,23 @@ def run(database_url: str, query: str, params: Any = None) -> list[tuple[Any, ..
     with psycopg.connect(libpq_url(database_url), autocommit=True) as conn, conn.cursor() as cur:
         cur.execute(query, params)
         return cur.fetchall() if cur.description else []
+
+
+def delivered(out: Path) -> list[tuple[str, int]]:
+    """(episode_id, attempt) of every record in a consumer's JSONL files, in file order."""
+    got = []
+    for path in sorted(out.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            got.append((rec["episode_id"], rec["attempt"]))
+    return got
+
+
+def consumer_claimed(database_url: str, consumer: str) -> bool:
+    """Whether some session holds the consumer's advisory lock (a live `rollout export --consumer` reader)."""
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
+            "(classid::bigint << 32 | objid::bigint) = hashtextextended(%s, 0) AND objsubid = 1",
+            (f"rollout-export:{consumer}",)).fetchone()
+    return bool(row and row[0])

@@ -3,7 +3,6 @@ a crash between file and commit, and a real `rollout export --follow` process ki
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,17 +19,7 @@ from rollout_ledger.services.exporter.follow import Follower
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import libpq_url
 from tests.helpers import wait_for
-from tests.integration.export_data import Traj, run, seed_batch
-
-
-def delivered(out: Path) -> list[tuple[str, int]]:
-    """(episode_id, attempt) of every record in a consumer's JSONL files, in file order."""
-    got = []
-    for path in sorted(out.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            got.append((rec["episode_id"], rec["attempt"]))
-    return got
+from tests.integration.export_data import Traj, consumer_claimed, delivered, run, seed_batch
 
 
 def at_least(out: Path, n: int) -> bool:
@@ -122,16 +111,6 @@ def test_one_live_reader_per_consumer(database_url: str, tmp_path: Path) -> None
     Follower(database_url, "solo", Selection(), tmp_path, "jsonl").close()
     with pytest.raises(CursorError, match="must match"):
         Follower(database_url, "bad.name", Selection(), tmp_path, "jsonl")
-
-
-def consumer_claimed(database_url: str, consumer: str) -> bool:
-    """Whether some session holds the consumer's advisory lock (a live `rollout export --consumer` reader)."""
-    with psycopg.connect(libpq_url(database_url)) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
-            "(classid::bigint << 32 | objid::bigint) = hashtextextended(%s, 0) AND objsubid = 1",
-            (f"rollout-export:{consumer}",)).fetchone()
-    return bool(row and row[0])
 
 
 def test_killed_follow_process_delivers_everything_exactly_once(database_url: str, tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ new consumers still get every trajectory version exactly once (services/exporter
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import subprocess
 import sys
@@ -18,22 +17,13 @@ from rollout_ledger.services.exporter.follow import Follower
 from rollout_ledger.services.exporter.retention import PruneResult, RetentionError, consumers, prune
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import libpq_url
-from tests.integration.export_data import Traj, run, seed_batch
+from tests.integration.export_data import Traj, delivered, run, seed_batch
 
 Entry = tuple[int, int, str, int]
 """(xid, seq, episode_id, attempt)"""
 
 STORED = [("b.0.0", 2), ("b.0.1", 1), ("b.1.0", 1), ("b.1.1", 3)]
 """The trajectory versions ``landscape`` leaves stored."""
-
-
-def delivered(out: Path) -> list[tuple[str, int]]:
-    got = []
-    for path in sorted(out.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            got.append((rec["episode_id"], rec["attempt"]))
-    return got
 
 
 def drain(f: Follower) -> None:
