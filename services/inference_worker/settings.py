@@ -27,7 +27,8 @@ class InferenceSettings(BaseServiceSettings):
     request_timeout_s: float = Field(600.0, gt=0)
     """vLLM engine: a request running longer than this is aborted and fails as a retryable ``InferenceError``."""
     vllm_dtype: str = "auto"
-    """vLLM engine: weight and activation dtype (``auto`` takes the checkpoint's: bf16 for SmolLM2)."""
+    """vLLM engine: weight and activation dtype (``auto`` takes the checkpoint's, bf16 for SmolLM2, except on a CPU
+    without native bf16 (no AVX512-BF16 / AMX / Arm BF16), where it is float32: emulated bf16 is ~4x slower)."""
     vllm_max_model_len: int | None = Field(None, ge=16)
     """vLLM engine: context length (prompt + sampled ids) at most; unset means the model's own."""
     vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1)

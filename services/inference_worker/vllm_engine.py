@@ -33,6 +33,7 @@ import asyncio
 import os
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -80,11 +81,47 @@ def cpu_env_defaults(settings: InferenceSettings, cpu_count: int) -> dict[str, s
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
-def engine_kwargs(settings: InferenceSettings, on_cpu: bool) -> dict[str, Any]:
-    """``AsyncEngineArgs`` keyword arguments from the worker's settings."""
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+"""CPU feature flags (``/proc/cpuinfo``; x86 ``flags``, Arm ``Features``) of native bf16 arithmetic."""
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The feature flags ``/proc/cpuinfo`` lists (empty when it lists none)."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return flags
+
+
+def resolve_dtype(requested: str, on_cpu: bool, cpuinfo: str | None) -> str:
+    """The dtype to load: ``auto`` on a CPU without native bf16 (no AVX512-BF16/AMX/Arm BF16) is ``float32``
+    (bf16 is emulated there: SmolLM2's demo ran at 14 tokens/s in bf16 and 59 in float32 on a 2-core EPYC); any
+    other request, a GPU, or an unreadable ``/proc/cpuinfo`` keeps ``requested``."""
+    if requested != "auto" or not on_cpu or not cpuinfo:
+        return requested
+    flags = cpu_flags(cpuinfo)
+    if not flags or flags & NATIVE_BF16_FLAGS:
+        return requested
+    return "float32"
+
+
+def _cpuinfo() -> str | None:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+
+
+def engine_kwargs(settings: InferenceSettings, on_cpu: bool, cpuinfo: str | None = None) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keyword arguments from the worker's settings (``cpuinfo``: ``/proc/cpuinfo``'s text,
+    read when not given)."""
+    if on_cpu and cpuinfo is None:
+        cpuinfo = _cpuinfo()
     kwargs: dict[str, Any] = {
         "model": settings.model,
-        "dtype": settings.vllm_dtype,
+        "dtype": resolve_dtype(settings.vllm_dtype, on_cpu, cpuinfo),
         "max_model_len": settings.vllm_max_model_len,
         "gpu_memory_utilization": settings.vllm_gpu_memory_utilization,
         "tensor_parallel_size": settings.vllm_tensor_parallel_size,

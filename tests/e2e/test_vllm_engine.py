@@ -276,3 +276,23 @@ async def test_worker_process_serves_and_drains(vllm_worker_process: ServiceProc
     vllm_worker_process.signal(signal.SIGTERM)
     assert vllm_worker_process.proc is not None
     assert await asyncio.to_thread(vllm_worker_process.proc.wait, 60) == 0, vllm_worker_process.tail_log(40)
+
+
+INTEL_AMX = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+EPYC_NO_BF16 = "processor\t: 0\nflags\t\t: fpu sse4_2 avx2 fma\nprocessor\t: 1\nflags\t\t: fpu sse4_2 avx2 fma\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_auto_dtype_is_float32_on_a_cpu_without_native_bf16() -> None:
+    from rollout_ledger.services.inference_worker.settings import InferenceSettings
+    from rollout_ledger.services.inference_worker.vllm_engine import engine_kwargs, resolve_dtype
+
+    assert resolve_dtype("auto", True, EPYC_NO_BF16) == "float32"
+    assert resolve_dtype("auto", True, INTEL_AMX) == "auto"
+    assert resolve_dtype("auto", True, ARM_BF16) == "auto"
+    assert resolve_dtype("auto", False, EPYC_NO_BF16) == "auto"  # a GPU decides for itself
+    assert resolve_dtype("bfloat16", True, EPYC_NO_BF16) == "bfloat16"  # asked for explicitly
+    assert resolve_dtype("auto", True, None) == "auto" and resolve_dtype("auto", True, "") == "auto"
+    settings = InferenceSettings(engine="vllm", model="m")
+    assert engine_kwargs(settings, True, EPYC_NO_BF16)["dtype"] == "float32"
+    assert engine_kwargs(settings, True, INTEL_AMX)["dtype"] == "auto"
