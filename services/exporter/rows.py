@@ -1,16 +1,18 @@
 """A chunk of selected trajectories held by column (``Chunk``): each per-token array of the whole chunk is one flat
-numpy array with row offsets; every other field is a list with one value per row.
+numpy array with row offsets, action ranges and segments are flat ``Spans``; every other field is a list with one
+value per row.
 
-Reading: ``selection.rows_query`` returns ``token_ids`` and ``logprobs`` as the packed little-endian copies
-(``trajectories.token_ids_le`` / ``logprobs_le``, migration 0005): a chunk's values are joined into one buffer and
-read with ``numpy.frombuffer`` (no byte swap, no per-element work on either side; ``int4[]`` would cost the server
-one send call per element). ``loss_mask`` and ``weight_versions`` are not read at all: ``rebuild_sampled`` derives
-them for the whole chunk from ``action_ranges`` and one weight version per range (``range_versions``), because
+Reading: ``selection.rows_query`` returns a chunk as one row of arrays, ``token_ids`` and ``logprobs`` as the
+concatenated packed little-endian copies (``trajectories.token_ids_le`` / ``logprobs_le``, migration 0005), read
+with ``numpy.frombuffer`` (no byte swap, no per-element work on either side; ``int4[]`` would cost the server one
+send call per element). ``loss_mask`` and ``weight_versions`` are not read at all: ``Chunk.build`` rebuilds them
+for the whole chunk from the action ranges and one weight version per range (``action_versions``), because
 ``recorder/assembly.py`` writes ``loss_mask`` 1 exactly on the action ranges and 0 elsewhere, and
 ``weight_versions`` the turn's version on its range and -1 elsewhere.
 
 A ``Chunk`` is also a sequence of row dicts (arrays as views into the flat arrays) for per-row code: the
 ``records.py`` mappers, JSONL, re-scoring. ``tables.py`` builds Arrow tables from the columns directly.
+``unpack`` reads packed values row by row (a plain per-row query, as ``bench/export.py``'s straight path).
 """
 
 from __future__ import annotations
