@@ -111,8 +111,9 @@ def rebuild_sampled(lengths: Sequence[int], ranges: Sequence[Sequence[Sequence[i
     return [mask[a:b] for a, b in cuts], [wv[a:b] for a, b in cuts]
 
 
-def _offsets(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(counts) + 1, np.int64)
+def offsets(counts: np.ndarray, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
+    """``[0, c0, c0 + c1, ...]``: where each of ``counts`` consecutive runs starts (and the total)."""
+    out: np.ndarray = np.zeros(len(counts) + 1, dtype)
     np.cumsum(counts, out=out[1:])
     return out
 
@@ -207,8 +208,8 @@ class Chunk(Sequence[dict[str, Any]]):
         vers = versions.astype(np.int32)
         mask, wv = mask_and_versions(len(token_ids), lo, hi, vers)
         return cls(columns, {"token_ids": token_ids, "loss_mask": mask, "logprobs": logprobs, "weight_versions": wv},
-                   _offsets(lengths), Spans(lo, hi, _offsets(range_counts), vers),
-                   Spans(seg_lo, seg_hi, _offsets(segment_counts)))
+                   offsets(lengths), Spans(lo, hi, offsets(range_counts), vers),
+                   Spans(seg_lo, seg_hi, offsets(segment_counts)))
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> Chunk:

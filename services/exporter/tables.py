@@ -17,7 +17,7 @@ import orjson
 import pyarrow as pa
 
 from rollout_ledger.services.exporter.records import _SLIME_STATUS, SCHEMAS, Unit
-from rollout_ledger.services.exporter.rows import Chunk
+from rollout_ledger.services.exporter.rows import Chunk, offsets
 
 
 def _json_text(v: Any) -> Any:
@@ -109,9 +109,8 @@ class Samples:
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, np.int32)
-    np.cumsum(lengths, out=out[1:])
-    return out
+    """Arrow ``list`` offsets (int32)."""
+    return offsets(lengths, np.int32)
 
 
 def _list(values: np.ndarray, offsets: np.ndarray, typ: pa.DataType) -> pa.Array:
@@ -302,6 +301,8 @@ def _full(chunk: Chunk) -> dict[str, Any]:
     offsets = chunk.offsets.astype(np.int32)
     out: dict[str, Any] = {name: cols[name] for name in f.names if name in cols}
     out["reward_source"] = [str(v or "rollout") for v in cols["reward_source"]]
+    for name in ("task", "drifts"):  # JSON (text_column leaves a task that is a plain string as it is)
+        out[name] = text_column(cols[name], f.field(name).type)
     for name in ("token_ids", "loss_mask", "logprobs", "weight_versions"):
         out[name] = _list(chunk.arrays[name], offsets, f.field(name).type)
     base = chunk.offsets[:-1]
@@ -311,10 +312,6 @@ def _full(chunk: Chunk) -> dict[str, Any]:
                               f.field("segments").type)
     return out
 
-
-_MAYBE_JSON = {"full": ("task", "drifts")}
-"""String fields stored as JSON (a dict or list becomes JSON text, as ``text_column``); the builders above give
-every other string field as text already."""
 
 _SAMPLE_COLUMNS: dict[str, Callable[[Samples], dict[str, Any]]] = {
     "openrlhf": _openrlhf, "slime": _slime, "verl": _verl, "trl": _trl}
@@ -333,8 +330,6 @@ def table(chunk: Chunk, shape: str, unit: Unit = Unit.SEGMENT) -> pa.Table:
         v = values[field.name]
         if isinstance(v, pa.Array):
             columns.append(v)
-        elif field.name in _MAYBE_JSON.get(shape, ()):
-            columns.append(text_column(v, field.type))
         else:
             columns.append(pa.array(v, type=field.type))
     return pa.Table.from_arrays(columns, schema=schema)

@@ -18,11 +18,12 @@ from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import connect, fetch
 from rollout_ledger.shared import bus
-from rollout_ledger.shared.events import EpisodeFailed, FailureClass, StepCompleted, TurnGenerated
+from rollout_ledger.shared.events import StepCompleted, TurnGenerated
 from tests.helpers import Sql
 from tests.integration.test_recorder import (
     PROMPT,
     drained,
+    env_failed,
     episode_events,
     publish,
     recorder,
@@ -63,12 +64,8 @@ async def test_rebuilt_mask_and_versions_equal_the_stored_arrays(nc: bus.NATS, n
         segmented, [([60, 61], [*PROMPT, 60, 61, 2]), ([62], [*PROMPT, 62, 2, 9]), ([63, 64], [])]), {0, 1}),
         [1, 2, 2]))
     events = episode_events(failed, [([70, 71], [2, 72]), ([73], [2])], terminal=False)
-    events.append(EpisodeFailed(event_id=f"{failed}:a1:end", episode_id=failed, batch_id="rb", attempt=1, seq=5,
-                                produced_by="env/w1", failure_class=FailureClass.ENV, reason="env raised",
-                                num_turns=2))
-    events.append(EpisodeFailed(event_id=f"{failed_early}:a1:end", episode_id=failed_early, batch_id="rb",
-                                attempt=1, seq=1, produced_by="env/w1", failure_class=FailureClass.ENV,
-                                reason="reset raised"))
+    events.append(env_failed(failed, "rb", 5, "env raised", num_turns=2))
+    events.append(env_failed(failed_early, "rb", 1, "reset raised"))
     await publish(nc, events)
     async with recorder(settings_for(nats_url, database_url)):
         await until(lambda: sql.scalar("select count(*) from trajectories") == 5, 20, "five trajectories")

@@ -114,6 +114,13 @@ def episode_events(episode_id: str, turns: Sequence[tuple[list[int], list[int]]]
     return out
 
 
+def env_failed(episode_id: str, batch_id: str, seq: int, reason: str, num_turns: int = 0) -> EpisodeFailed:
+    """Attempt 1 of ``episode_id`` failed by its environment (``seq``: after its ``num_turns`` turns)."""
+    return EpisodeFailed(event_id=f"{episode_id}:a1:end", episode_id=episode_id, batch_id=batch_id, attempt=1,
+                         seq=seq, produced_by="env/w1", failure_class=FailureClass.ENV, reason=reason,
+                         num_turns=num_turns)
+
+
 async def publish(nc: bus.NATS, events: Sequence[BaseModel]) -> None:
     js = nc.jetstream()
     for ev in events:
@@ -316,12 +323,8 @@ async def test_failed_episode_keeps_partial_trajectory_with_null_reward(nc: bus.
                                                                         database_url: str, sql: Sql) -> None:
     [ep, never_started] = seed_episodes(sql, "fail", num_tasks=2)
     events = episode_events(ep, [([4, 5], [2, 6])], terminal=False)
-    events.append(EpisodeFailed(event_id=f"{ep}:a1:end", episode_id=ep, batch_id="fail", attempt=1, seq=3,
-                                produced_by="env/w1", failure_class=FailureClass.ENV, reason="env raised",
-                                num_turns=1))
-    events.append(EpisodeFailed(event_id=f"{never_started}:a1:end", episode_id=never_started, batch_id="fail",
-                                attempt=1, seq=1, produced_by="env/w1", failure_class=FailureClass.ENV,
-                                reason="reset raised"))
+    events.append(env_failed(ep, "fail", 3, "env raised", num_turns=1))
+    events.append(env_failed(never_started, "fail", 1, "reset raised"))
     await publish(nc, events)
     async with recorder(settings_for(nats_url, database_url)):
         await until(lambda: sql.scalar("select count(*) from episodes where status = 'failed'") == 2, 20, "failed")
