@@ -215,7 +215,8 @@ def export_cmd(
         raise typer.BadParameter("--follow needs --consumer NAME")
     if not consumer:
         path = Path(out) / (name or f"{(batch or ['export'])[0]}.{fmt if shape != 'full' else 'full'}.{ext}")
-        result = export(url, sel, path, fmt, file_type, the_unit, chunk=settings.export_chunk)
+        result = export(url, sel, path, fmt, file_type, the_unit, chunk=settings.export_chunk,
+                        row_group_bytes=settings.export_row_group_mb << 20)
         typer.echo(f"{result.records} records -> {result.path}")
         return
     from rollout_ledger.services.exporter.follow import Follower

@@ -8,7 +8,7 @@ from pathlib import Path
 from rollout_ledger.services.exporter.records import FIELDS, FORMATS, Unit
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import stream
-from rollout_ledger.services.exporter.writers import FILE_TYPES, write_file
+from rollout_ledger.services.exporter.writers import FILE_TYPES, ROW_GROUP_BYTES, write_file
 
 FILE_FORMATS = FILE_TYPES
 
@@ -34,11 +34,12 @@ def shape_and_file_type(fmt: str, file_type: str | None) -> tuple[str, str]:
 
 
 def export(database_url: str, sel: Selection, path: Path, fmt: str = "openrlhf", file_type: str | None = None,
-           unit: Unit = Unit.SEGMENT, chunk: int = 500) -> ExportResult:
-    """Write every selected trajectory as ``fmt`` records to ``path`` (atomically; memory bounded by ``chunk``)."""
+           unit: Unit = Unit.SEGMENT, chunk: int = 500, row_group_bytes: int = ROW_GROUP_BYTES) -> ExportResult:
+    """Write every selected trajectory as ``fmt`` records to ``path`` (atomically; memory bounded by ``chunk``
+    and ``row_group_bytes``)."""
     shape, ft = shape_and_file_type(fmt, file_type)
     out, count = write_file(path, ft, shape, stream(database_url, sel, chunk, FIELDS[shape]), unit,
-                            metadata={"rollout_ledger.format": fmt})
+                            metadata={"rollout_ledger.format": fmt}, row_group_bytes=row_group_bytes)
     return ExportResult(out, count)
 
 

@@ -118,6 +118,9 @@ ALWAYS_READ = ("episode_id", "attempt", "token_ids", "logprobs", "range_versions
 
 PACKED_FIELDS = ("token_ids", "logprobs")
 """Fields read as packed bytes: a chunk's values come concatenated, with each row's byte length."""
+JSON_FIELDS = ("task", "drifts")
+"""jsonb fields: a chunk's values come as one JSON array (``json_agg``: one text rendering per value, where an
+``array_agg`` of jsonb costs the server a ``jsonb_send`` call and an array element per value, six times as much)."""
 PAIR_FIELDS = ("action_ranges", "segments", "range_versions")
 """Small per-row int arrays: a chunk's values come as one comma-separated text (NULL as -1), with each row's
 number of values."""
@@ -126,9 +129,17 @@ number of values."""
 def rows_query(fields: Collection[str] | None = None) -> tuple[str, tuple[str, ...]]:
     """The query reading one chunk of selected episodes (``%(ids)s``, in export order) as ONE row: a column per
     field holding the chunk's values in the ids' order (``array_agg``; packed bytes concatenated, small int arrays
-    as text, each with per-row lengths), so the client turns a chunk into a few arrays instead of one Python object
-    per field and row. Returns the query and the fields: ``fields`` (all when None) plus ``ALWAYS_READ``, each
-    ``PACKED_FIELDS`` / ``PAIR_FIELDS`` entry taking two columns (values, per-row lengths)."""
+    as text, each with per-row lengths; jsonb as one JSON array), so the client turns a chunk into a few arrays
+    instead of one Python object per field and row. Returns the query and the fields: ``fields`` (all when None)
+    plus ``ALWAYS_READ``, each ``PACKED_FIELDS`` / ``PAIR_FIELDS`` entry taking two columns (values, per-row
+    lengths).
+
+    The rows reach the aggregates in the ids' order from a subquery sorted by the ids' position (``OFFSET 0``
+    keeps it a subquery; Postgres sorts the 500 positions before the index lookups): one sort per chunk where an
+    ``ORDER BY`` in each aggregate sorted every column on its own. A plain aggregate over a sorted subquery takes
+    the rows in that order (the read runs without parallel workers, ``SERIAL_READ``); ``source.assemble`` checks
+    the episode ids against the keys all the same.
+    """
     wanted = set(ROW_COLUMNS if fields is None else fields) | set(ALWAYS_READ)
     unknown = wanted - set(ROW_SQL)
     if unknown:
@@ -136,18 +147,23 @@ def rows_query(fields: Collection[str] | None = None) -> tuple[str, tuple[str, .
     names = tuple(c for c in ROW_COLUMNS if c in wanted)
     cols = []
     for c in names:
-        expr = ROW_SQL[c]
         if c in PACKED_FIELDS:
-            cols += [f"string_agg({expr}, ''::bytea ORDER BY k.ord)", f"array_agg(octet_length({expr}) ORDER BY k.ord)"]
+            cols += [f"string_agg(s.{c}, ''::bytea)", f"array_agg(octet_length(s.{c}))"]
         elif c in PAIR_FIELDS:
-            cols += [f"string_agg(nullif(array_to_string({expr}, ',', '-1'), ''), ',' ORDER BY k.ord)",
-                     f"array_agg(cardinality({expr}) ORDER BY k.ord)"]
+            cols += [f"string_agg(nullif(array_to_string(s.{c}, ',', '-1'), ''), ',')",
+                     f"array_agg(cardinality(s.{c}))"]
+        elif c in JSON_FIELDS:
+            cols.append(f"json_agg(s.{c})")
         else:
-            cols.append(f"array_agg({expr} ORDER BY k.ord)")
+            cols.append(f"array_agg(s.{c})")
     episodes = any(ROW_SQL[c].startswith("e.") for c in names)
-    return ("SELECT " + ", ".join(cols) + " FROM unnest(%(ids)s::text[]) WITH ORDINALITY AS k(id, ord) "
-            "JOIN trajectories t ON t.episode_id = k.id "
-            + ("JOIN episodes e ON e.id = k.id" if episodes else "")), names
+    return ("SELECT " + ", ".join(cols) + " FROM (SELECT " + ", ".join(f"{ROW_SQL[c]} AS {c}" for c in names)
+            + " FROM unnest(%(ids)b::text[]) WITH ORDINALITY AS k(id, ord) JOIN trajectories t ON t.episode_id = k.id"
+            + (" JOIN episodes e ON e.id = k.id" if episodes else "") + " ORDER BY k.ord OFFSET 0) s"), names
+
+
+SERIAL_READ = "SET LOCAL max_parallel_workers_per_gather = 0"
+"""Run on a connection before ``rows_query`` (in its transaction): no parallel plan may interleave the rows."""
 
 
 def build_query(sel: Selection, scope: Scope | None = None) -> tuple[str, dict[str, Any]]:

@@ -17,6 +17,8 @@ class ExporterSettings(BaseServiceSettings):
     """Feed entries per consumer read (`--consumer`): bounds a delivery file and the reader's memory."""
     export_chunk: int = Field(500, ge=1, le=100_000)
     """Rows fetched per round trip by a one-shot export (memory is bounded by this, not by the export's size)."""
+    export_row_group_mb: int = Field(32, ge=1, le=4096)
+    """Parquet row group size of a one-shot export, in MiB of Arrow data (memory holds about three groups)."""
     export_poll_s: float = Field(1.0, gt=0)
     """With `--follow`, how long to wait before reading again when nothing was new."""
 

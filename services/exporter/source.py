@@ -19,6 +19,7 @@ from rollout_ledger.services.exporter.rows import PACKED, Chunk
 from rollout_ledger.services.exporter.selection import (
     PACKED_FIELDS,
     PAIR_FIELDS,
+    SERIAL_READ,
     Scope,
     Selection,
     build_query,
@@ -50,6 +51,7 @@ def read_chunk(conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]], sel: 
     row: tuple[Any, ...] | None = None
     if keys:
         with conn.cursor(binary=True) as cur:
+            cur.execute(SERIAL_READ)
             cur.execute(query, {"ids": [k[0] for k in keys]})
             row = cur.fetchone()
     return assemble(keys, row, names, sel)
@@ -147,6 +149,7 @@ def stream(database_url: str, sel: Selection, chunk: int = 500,
                 row = kconn.execute("SELECT pg_export_snapshot()").fetchone()
                 for conn in rconns:
                     conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(row[0] if row else "")))
+                    conn.execute(SERIAL_READ)
                 pipes = [(conn, stack.enter_context(conn.pipeline())) for conn in rconns]
                 keys = stack.enter_context(kconn.cursor(name="rl_export_keys"))
                 keys.itersize = chunk

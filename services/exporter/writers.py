@@ -1,6 +1,6 @@
 """Atomic Parquet / JSONL export files (written to ``<name>.partial``, fsynced, renamed) and the writing of chunks
-into them: Parquet takes each chunk as one columnar table (``tables.table``), JSONL record by record
-(``records.records``)."""
+into them: Parquet takes each chunk as one columnar table (``tables.table``), gathered into row groups of about
+``row_group_bytes`` of Arrow data, JSONL record by record (``records.records``)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ from rollout_ledger.services.exporter.rows import Chunk
 from rollout_ledger.services.exporter.tables import table
 
 FILE_TYPES = ("parquet", "jsonl")
+ROW_GROUP_BYTES = 32 << 20
+"""Arrow bytes gathered into one Parquet row group. A row group per 500-row chunk made files twice as large (the
+token columns' dictionary and pages restart with every group) and slower to write and read; this bounds memory
+(a group being filled, one queued, one being encoded) by a constant, not by the export's size."""
 
 
 def jsonl_line(record: dict[str, Any]) -> bytes:
@@ -31,7 +35,7 @@ class AtomicWriter:
     renames (all or nothing)."""
 
     def __init__(self, path: Path, file_type: str, shape: str, unit: Unit = Unit.SEGMENT,
-                 background: bool = False) -> None:
+                 background: bool = False, row_group_bytes: int = ROW_GROUP_BYTES) -> None:
         if file_type not in FILE_TYPES:
             raise ValueError(f"unknown file type {file_type!r}; known: {', '.join(FILE_TYPES)}")
         if shape not in SCHEMAS:
@@ -42,6 +46,9 @@ class AtomicWriter:
         self.shape = shape
         self.unit = unit
         self.count = 0
+        self.row_group_bytes = row_group_bytes
+        self._group: list[pa.Table] = []
+        self._group_bytes = 0
         self._pq: pq.ParquetWriter | None = None
         self._fh: Any = None
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,14 +59,15 @@ class AtomicWriter:
         self._rows: _RowGroups | None = _RowGroups(self._pq) if background and self._pq is not None else None
 
     def write(self, chunk: Chunk) -> int:
-        """Append a chunk's records (Parquet: one row group of the columnar table); returns how many."""
+        """Append a chunk's records (Parquet: its columnar table joins the row group being filled); returns how
+        many."""
         if self._pq is not None:
             t = table(chunk, self.shape, self.unit)
             if t.num_rows:
-                if self._rows is not None:
-                    self._rows.put(t)
-                else:
-                    self._pq.write_table(t)
+                self._group.append(t)
+                self._group_bytes += t.nbytes
+                if self._group_bytes >= self.row_group_bytes:
+                    self._flush()
             n = t.num_rows
         else:
             recs = [rec for row in chunk for rec in records(row, self.shape, self.unit)]
@@ -68,7 +76,19 @@ class AtomicWriter:
         self.count += n
         return n
 
+    def _flush(self) -> None:
+        """Write the gathered tables as one row group."""
+        if not self._group or self._pq is None:
+            return
+        t = pa.concat_tables(self._group) if len(self._group) > 1 else self._group[0]
+        self._group, self._group_bytes = [], 0
+        if self._rows is not None:
+            self._rows.put(t)
+        else:
+            self._pq.write_table(t, row_group_size=t.num_rows)
+
     def commit(self, metadata: dict[str, str] | None = None) -> Path:
+        self._flush()
         if self._rows is not None:
             self._rows.finish()
             self._rows = None
@@ -94,6 +114,7 @@ class AtomicWriter:
         return self.path
 
     def abort(self) -> None:
+        self._group, self._group_bytes = [], 0
         if self._rows is not None:
             self._rows.cancel()
             self._rows = None
@@ -108,11 +129,11 @@ class AtomicWriter:
 
 class _RowGroups:
     """Parquet row groups written by a thread of their own: ``write_table`` releases the GIL while it encodes, so
-    the next chunk's table is built meanwhile (at most two tables wait: memory stays bounded by the chunk)."""
+    the next group's tables are built meanwhile (at most one group waits: memory stays bounded by the group)."""
 
     def __init__(self, writer: pq.ParquetWriter) -> None:
         self._writer = writer
-        self._queue: queue.Queue[pa.Table | None] = queue.Queue(maxsize=2)
+        self._queue: queue.Queue[pa.Table | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rl-export-writer", daemon=True)
         self._thread.start()
@@ -121,7 +142,7 @@ class _RowGroups:
         while (t := self._queue.get()) is not None:
             if self._error is None:
                 try:
-                    self._writer.write_table(t)
+                    self._writer.write_table(t, row_group_size=t.num_rows)
                 except BaseException as exc:  # raised in the caller's thread by put()/finish()
                     self._error = exc
 
@@ -145,10 +166,10 @@ class _RowGroups:
 
 
 def write_file(path: Path, file_type: str, shape: str, chunks: Iterable[Chunk], unit: Unit = Unit.SEGMENT,
-               metadata: dict[str, str] | None = None) -> tuple[Path, int]:
+               metadata: dict[str, str] | None = None, row_group_bytes: int = ROW_GROUP_BYTES) -> tuple[Path, int]:
     """Write the records of every chunk atomically (Parquet row groups on a writer thread); returns the path and
     the number of records."""
-    writer = AtomicWriter(path, file_type, shape, unit, background=True)
+    writer = AtomicWriter(path, file_type, shape, unit, background=True, row_group_bytes=row_group_bytes)
     try:
         for chunk in chunks:
             writer.write(chunk)

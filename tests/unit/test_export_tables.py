@@ -127,12 +127,28 @@ def test_slices_gather_in_order_and_contiguous() -> None:
 def test_write_file_writes_row_groups_on_a_thread_and_keeps_their_order(tmp_path: Path) -> None:
     rows = random_rows(21, 120)
     chunks = [Chunk.from_rows(rows[i:i + 25]) for i in range(0, 120, 25)]
-    path, count = write_file(tmp_path / "out.parquet", "parquet", "slime", chunks)
-    back = pq.read_table(path)
-    want = pa.concat_tables([table(c, "slime") for c in chunks])
-    assert count == want.num_rows == back.num_rows
-    assert back.replace_schema_metadata(None).equals(want)
-    assert pq.ParquetFile(path).metadata.num_row_groups == len(chunks)
+    tables = [table(c, "slime") for c in chunks]
+    want = pa.concat_tables(tables)
+    sizes = [t.nbytes for t in tables]
+
+    def grouped(limit: int) -> list[int]:  # a row group closes once it holds ``limit`` bytes
+        out, rows, size = [], 0, 0
+        for t in tables:
+            rows, size = rows + t.num_rows, size + t.nbytes
+            if size >= limit:
+                out, rows, size = [*out, rows], 0, 0
+        return out + ([rows] if rows else [])
+
+    assert grouped(1) == [t.num_rows for t in tables] and len(grouped(max(sizes) + 1)) in (2, 3)
+    for group_bytes in (1, max(sizes) + 1, sum(sizes) + 1):
+        groups = grouped(group_bytes)
+        path, count = write_file(tmp_path / f"out{group_bytes}.parquet", "parquet", "slime", chunks,
+                                 row_group_bytes=group_bytes)
+        back = pq.read_table(path)
+        assert count == want.num_rows == back.num_rows
+        assert back.replace_schema_metadata(None).equals(want)
+        meta = pq.ParquetFile(path).metadata
+        assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == groups
 
 
 def test_a_failing_write_leaves_no_file_and_raises_in_the_caller(tmp_path: Path) -> None:
