@@ -173,6 +173,61 @@ def json_column(values: Sequence[Any]) -> list[str]:
     return [_json_text(v) for v in values]
 
 
+_NAN_BITS = np.float64("nan").view(np.int64)
+
+
+def _key(v: Any) -> Any:
+    """A hashable key equal only for values with the same JSON text: floats by their exact hex (0.0 and -0.0
+    differ), every value with its type (1, 1.0 and True differ), lists item by item."""
+    if isinstance(v, float):
+        return float, v.hex()
+    if isinstance(v, list):
+        return list, tuple(_key(x) for x in v)
+    return type(v), v
+
+
+def _factorize(values: Sequence[Any]) -> tuple[np.ndarray, int]:
+    """Codes of ``values`` such that equal codes mean the same JSON text, and how many distinct codes (a column
+    of floats and None: by bits, NaN and None both being JSON null; anything else by ``_key``; unhashable values
+    each get their own code)."""
+    n = len(values)
+    if n and set(map(type, values)) <= {float, type(None)}:
+        arr = np.array(values, dtype=np.float64)
+        bits = arr.view(np.int64).copy()
+        bits[np.isnan(arr)] = _NAN_BITS
+        uniq, codes = np.unique(bits, return_inverse=True)
+        return codes.reshape(-1), len(uniq)
+    memo: dict[Any, int] = {}
+    try:
+        return np.fromiter((memo.setdefault(_key(v), len(memo)) for v in values), np.int64, n), len(memo)
+    except TypeError:
+        return np.arange(n, dtype=np.int64), n
+
+
+def json_rows(columns: dict[str, Sequence[Any]]) -> list[str]:
+    """``json_column`` of the dicts ``{name: columns[name][i]}`` for every i, dumping each distinct row once
+    (records of a chunk repeat the same few values: turns, statuses, rewards)."""
+    names = list(columns)
+    n = len(columns[names[0]]) if names else 0
+    key = np.zeros(n, np.int64)
+    distinct = 1
+    for name in names:
+        codes, k = _factorize(columns[name])
+        if distinct * max(k, 1) >= 1 << 62:
+            uniq, key = np.unique(key, return_inverse=True)
+            key, distinct = key.reshape(-1), len(uniq)
+            if distinct * max(k, 1) >= 1 << 62:
+                return json_column([{m: columns[m][i] for m in names} for i in range(n)])
+        key = key * max(k, 1) + codes
+        distinct *= max(k, 1)
+    if not n:
+        return []
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    texts = np.empty(len(first), object)
+    texts[:] = json_column([{m: columns[m][i] for m in names} for i in first.tolist()])
+    return texts[inverse.reshape(-1)].tolist()
+
+
 def _labels(s: Samples) -> list[str]:
     per_row = [orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode() for t in s.chunk.columns["task"]]
     return per_row if s._one_each else [per_row[i] for i in s.rows.tolist()]
@@ -218,14 +273,12 @@ def _nested(spans_lo: np.ndarray, spans_hi: np.ndarray, row_offsets: np.ndarray,
 
 def _openrlhf(s: Samples) -> dict[str, Any]:
     arr, f = s.chunk.arrays, SCHEMAS["openrlhf"]
-    cols = s.chunk.columns
     actions = trained_ranges(s, f.field("action_ranges").type)
     reward, advantage = s.column("reward"), s.column("advantage")
-    versions = span_versions(s, s.start).to_pylist()
-    logs = [{"num_turns": cols["num_turns"][r], "prompt_len": cols["prompt_len"][r],
-             "num_sampled_tokens": cols["num_sampled_tokens"][r], "weight_versions": v, "reward_source": src,
-             "rollout_reward": cols["rollout_reward"][r]}
-            for r, v, src in zip(s.rows.tolist(), versions, _sources(s), strict=True)]
+    logs = json_rows({"num_turns": s.column("num_turns"), "prompt_len": s.column("prompt_len"),
+                      "num_sampled_tokens": s.column("num_sampled_tokens"),
+                      "weight_versions": span_versions(s, s.start).to_pylist(), "reward_source": _sources(s),
+                      "rollout_reward": s.column("rollout_reward")})
     return {
         **_ids(s),
         "prompt": [t or "" for t in s.column("prompt_text")],
@@ -236,17 +289,17 @@ def _openrlhf(s: Samples) -> dict[str, Any]:
         "truncated": [st == "truncated" for st in s.column("status")],
         "reward": reward,
         "advantage": advantage,
-        "scores": json_column([{"reward": r, "advantage": a} for r, a in zip(reward, advantage, strict=True)]),
+        "scores": json_rows({"reward": reward, "advantage": advantage}),
         "status": s.column("status"),
-        "extra_logs": json_column(logs),
+        "extra_logs": logs,
     }
 
 
 def _slime(s: Samples) -> dict[str, Any]:
     arr, f = s.chunk.arrays, SCHEMAS["slime"]
-    cols = s.chunk.columns
-    meta = [{"reward_source": src, "rollout_reward": cols["rollout_reward"][r], "num_turns": cols["num_turns"][r],
-             "rollout_status": cols["status"][r]} for r, src in zip(s.rows.tolist(), _sources(s), strict=True)]
+    status = s.column("status")
+    meta = json_rows({"reward_source": _sources(s), "rollout_reward": s.column("rollout_reward"),
+                      "num_turns": s.column("num_turns"), "rollout_status": status})
     return {
         **_ids(s),
         "index": s.column("group_index"),
@@ -258,7 +311,7 @@ def _slime(s: Samples) -> dict[str, Any]:
         "rollout_log_probs": slices(arr["logprobs"], s.prompt_end, s.end, f.field("rollout_log_probs").type),
         "reward": s.column("reward"),
         "advantage": s.column("advantage"),
-        "status": [_SLIME_STATUS.get(st, "aborted") for st in s.column("status")],
+        "status": [_SLIME_STATUS.get(st, "aborted") for st in status],
         "weight_versions": span_versions(s, s.prompt_end).cast(f.field("weight_versions").type),
         "metadata": json_column(meta),
     }

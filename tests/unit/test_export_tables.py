@@ -15,7 +15,7 @@ import pytest
 
 from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
 from rollout_ledger.services.exporter.rows import Chunk, unpack
-from rollout_ledger.services.exporter.tables import slices, table, to_table
+from rollout_ledger.services.exporter.tables import json_column, json_rows, slices, table, to_table
 from rollout_ledger.services.exporter.writers import write_file
 from rollout_ledger.shared.errors import SchemaError
 from tests.unit.test_export_records import _assembled, two_segment_row
@@ -183,3 +183,23 @@ def test_an_error_on_the_writer_thread_reaches_the_caller(tmp_path: Path, monkey
     with pytest.raises(OSError, match="No space"):
         write_file(tmp_path / "out.parquet", "parquet", "trl", chunks)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_json_rows_dumps_each_distinct_row_once_and_equals_dumping_every_row() -> None:
+    # values equal in Python but not in JSON must not share a text: 0.0/-0.0, 1/1.0/True, [1]/[1.0]; NaN and
+    # None are both null
+    cols: dict[str, list[object]] = {
+        "r": [0.0, -0.0, float("nan"), None, 1.0, 1.0, 2.5, None, 1e-05, 1e300],
+        "n": [1, 1, True, 1, 1, 1.0, 2, 3, 1, 1],
+        "s": ["x", "x", "y", None, "x", "x", "x", "x", "é", "x"],
+        "v": [[1], [1.0], [True], [], [1], [1], [2, 3], [-0.0], [1], [1]],
+        "d": [{"a": 1}, {"a": 1}, {}, {"b": [1]}, {"a": 1}, {"a": 1}, {}, {}, {}, {}],
+    }
+    rows = [{k: v[i] for k, v in cols.items()} for i in range(10)]
+    assert json_rows(cols) == json_column(rows)
+    assert json_rows({k: cols[k] for k in ("r", "n")})[4:6] == ['{"n":1,"r":1.0}', '{"n":1.0,"r":1.0}']
+    rng = np.random.default_rng(7)
+    many = {"a": rng.integers(0, 3, 5000).tolist(), "b": rng.choice([0.5, -0.0, 0.0, 2.0], 5000).tolist(),
+            "c": rng.choice(["ok", "failed"], 5000).tolist(), "d": rng.normal(size=5000).tolist()}
+    assert json_rows(many) == json_column([{k: v[i] for k, v in many.items()} for i in range(5000)])
+    assert json_rows({"a": []}) == [] and json_rows({}) == []
