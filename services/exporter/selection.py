@@ -166,12 +166,23 @@ SERIAL_READ = "SET LOCAL max_parallel_workers_per_gather = 0"
 """Run on a connection before ``rows_query`` (in its transaction): no parallel plan may interleave the rows."""
 
 
-def build_query(sel: Selection, scope: Scope | None = None) -> tuple[str, dict[str, Any]]:
-    """The selection as SQL (psycopg ``%(name)s`` parameters) returning ``KEY_COLUMNS`` in (group, episode) order.
+@dataclass(frozen=True)
+class _Filters:
+    """A selection as SQL pieces over ``trajectories t JOIN episodes e``: the reward expression (and its join),
+    the row filters, and the group filters over a group's statistics (placeholders ``{members}``, ``{hi}``,
+    ``{lo}`` for them, ``{group}``, ``{episode}``, ``{attempt}`` for the row's)."""
 
-    Only keys are sorted; the wide rows are read afterwards by ``rows_query`` (sorting rows with their token
-    arrays spilled to disk and cost more than the rest of the export).
-    """
+    reward: str
+    reward_join: str
+    where: list[str]
+    final: list[str]
+    params: dict[str, Any]
+
+    def final_sql(self, **names: str) -> str:
+        return " AND ".join(f.format(**names) for f in self.final) if self.final else "TRUE"
+
+
+def _filters(sel: Selection, scope: Scope | None = None) -> _Filters:
     params: dict[str, Any] = {"adv_epsilon": sel.advantage.epsilon}
     where: list[str] = []
     reward = "t.reward"
@@ -214,23 +225,34 @@ def build_query(sel: Selection, scope: Scope | None = None) -> tuple[str, dict[s
         params["scope_groups"] = list(scope.groups)
     final: list[str] = []
     if sel.complete_groups:
-        final.append("g.members = (SELECT count(*) FROM episodes ge WHERE ge.group_id = s.group_id)")
-        final.append("NOT EXISTS (SELECT 1 FROM episodes ge WHERE ge.group_id = s.group_id "
+        final.append("{members} = (SELECT count(*) FROM episodes ge WHERE ge.group_id = {group})")
+        final.append("NOT EXISTS (SELECT 1 FROM episodes ge WHERE ge.group_id = {group} "
                      "AND NOT ge.status = ANY(%(terminal)s::text[]))")
         params["terminal"] = _TERMINAL_SQL
     if sel.drop_uniform:
-        final.append("g.hi > g.lo")
+        final.append("{hi} > {lo}")
     if scope is not None and scope.rows is not None:
-        final.append("(s.episode_id, s.attempt) IN (SELECT * FROM unnest(%(scope_eids)s::text[], "
+        final.append("({episode}, {attempt}) IN (SELECT * FROM unnest(%(scope_eids)s::text[], "
                      "%(scope_attempts)s::int4[]))")
         params["scope_eids"] = [r[0] for r in scope.rows]
         params["scope_attempts"] = [r[1] for r in scope.rows]
+    return _Filters(reward, reward_join, where, final, params)
+
+
+def build_query(sel: Selection, scope: Scope | None = None) -> tuple[str, dict[str, Any]]:
+    """The selection as SQL (psycopg ``%(name)s`` parameters) returning ``KEY_COLUMNS`` in (group, episode) order.
+
+    Only keys are sorted; the wide rows are read afterwards by ``rows_query`` (consumer reads, ``cursor.py``).
+    """
+    f = _filters(sel, scope)
     advantage = sel.advantage.sql("s.reward", "g.mean", "g.std", "g.total", "g.n")
+    final = f.final_sql(members="g.members", hi="g.hi", lo="g.lo", group="s.group_id", episode="s.episode_id",
+                        attempt="s.attempt")
     query = (
         "WITH sel AS ("
-        f" SELECT t.episode_id, t.group_id, t.attempt, ({reward})::float8 AS reward FROM trajectories t"
-        f" JOIN episodes e ON e.id = t.episode_id {reward_join}"
-        f" WHERE {' AND '.join(where) if where else 'TRUE'}"
+        f" SELECT t.episode_id, t.group_id, t.attempt, ({f.reward})::float8 AS reward FROM trajectories t"
+        f" JOIN episodes e ON e.id = t.episode_id {f.reward_join}"
+        f" WHERE {' AND '.join(f.where) if f.where else 'TRUE'}"
         "), grp AS ("
         " SELECT group_id, count(*) AS members, count(reward) AS n, avg(reward) AS mean,"
         " stddev_samp(reward) AS std, sum(reward) AS total, min(reward) AS lo, max(reward) AS hi"
@@ -238,7 +260,51 @@ def build_query(sel: Selection, scope: Scope | None = None) -> tuple[str, dict[s
         ") "
         f"SELECT s.episode_id, s.attempt, s.reward, {advantage} AS advantage, g.members AS group_size "
         "FROM sel s JOIN grp g ON g.group_id = s.group_id "
-        f"WHERE {' AND '.join(final) if final else 'TRUE'} "
+        f"WHERE {final} "
         "ORDER BY s.group_id, s.episode_id"
     )
-    return query, params
+    return query, f.params
+
+
+def stream_query(sel: Selection, fields: Collection[str] | None = None) -> tuple[str, dict[str, Any], tuple[str, ...]]:
+    """The whole selection as ONE query streaming ``KEY_COLUMNS`` and then the row fields of every selected
+    trajectory, in (group, episode) order: what a one-shot export reads through a server-side cursor.
+
+    The group statistics are window functions over ``PARTITION BY group_id`` at the rows' own level (no subquery:
+    Postgres plans a cursor for its first rows only at the top level), so with the index on
+    ``trajectories.group_id`` it walks the groups in order and hands out each group's rows as soon as the group
+    is read (an incremental sort orders a group's few rows by episode): rows flow from the first fetch, the
+    selection is never sorted as a whole (its rows are wide), and the read is one pass instead of a keys query
+    plus an index lookup per row. Group filters (complete groups, uniform rewards) are a semi-join on the groups
+    that pass them, aggregated over keys only. Returns the query, its parameters and the row fields in the order
+    they follow the keys (each ``PAIR_FIELDS`` entry as two columns: its values as comma-separated text, and
+    their number).
+    """
+    wanted = set(ROW_COLUMNS if fields is None else fields) | set(ALWAYS_READ)
+    unknown = wanted - set(ROW_SQL)
+    if unknown:
+        raise ValueError(f"unknown row fields: {', '.join(sorted(unknown))}")
+    names = tuple(c for c in ROW_COLUMNS if c in wanted)
+    f = _filters(sel)
+    cols = []
+    for c in names:
+        if c in PAIR_FIELDS:
+            cols += [f"array_to_string({ROW_SQL[c]}, ',', '-1')", f"cardinality({ROW_SQL[c]})"]
+        else:
+            cols.append(ROW_SQL[c])
+    r = f"({f.reward})::float8"
+    advantage = sel.advantage.sql(r, f"avg({r}) OVER g", f"stddev_samp({r}) OVER g", f"sum({r}) OVER g",
+                                  f"count({r}) OVER g")
+    source = f"FROM trajectories t JOIN episodes e ON e.id = t.episode_id {f.reward_join}"
+    where = list(f.where)
+    if f.final:
+        where.append(f"t.group_id IN (SELECT t.group_id {source} WHERE {' AND '.join(f.where) or 'TRUE'} "
+                     f"GROUP BY t.group_id HAVING "
+                     f"{f.final_sql(members='count(*)', hi=f'max({r})', lo=f'min({r})', group='t.group_id')})")
+    query = (
+        f"SELECT t.episode_id, t.attempt, {r} AS reward, {advantage} AS advantage, count(*) OVER g AS group_size, "
+        + ", ".join(cols)
+        + f" {source} WHERE {' AND '.join(where) or 'TRUE'} WINDOW g AS (PARTITION BY t.group_id) "
+        "ORDER BY t.group_id, t.episode_id"
+    )
+    return query, f.params, names

@@ -1,22 +1,22 @@
-"""Reads selected trajectories out of Postgres: connections, and a server-side cursor streamed in ``Chunk``s."""
+"""Reads selected trajectories out of Postgres: connections, a one-shot export's server-side cursor streamed in
+``Chunk``s (``stream``), and a consumer read's rows looked up by key (``read_chunk``)."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
-from collections.abc import Collection, Iterator
-from contextlib import ExitStack
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import orjson
 import psycopg
-from psycopg import Pipeline, sql
+from psycopg import sql
 from psycopg.types.json import set_json_loads
 
 from rollout_ledger.services.exporter.rows import PACKED, Chunk
 from rollout_ledger.services.exporter.selection import (
+    KEY_COLUMNS,
     PACKED_FIELDS,
     PAIR_FIELDS,
     SERIAL_READ,
@@ -24,6 +24,7 @@ from rollout_ledger.services.exporter.selection import (
     Selection,
     build_query,
     rows_query,
+    stream_query,
 )
 from rollout_ledger.shared.errors import SchemaError, StoreError
 from rollout_ledger.shared.settings import normalize_database_url
@@ -54,7 +55,7 @@ def read_chunk(conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]], sel: 
             cur.execute(SERIAL_READ)
             cur.execute(query, {"ids": [k[0] for k in keys]})
             row = cur.fetchone()
-    return assemble(keys, row, names, sel)
+    return assemble(list(zip(*keys, strict=True)), row, names, sel)
 
 
 def _ints(text: str | None, counts: list[int] | None, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -65,12 +66,12 @@ def _ints(text: str | None, counts: list[int] | None, what: str) -> tuple[np.nda
     return values, per_row
 
 
-def assemble(keys: list[tuple[Any, ...]], row: tuple[Any, ...] | None, names: tuple[str, ...],
+def assemble(keys: Sequence[Sequence[Any]], row: Sequence[Any] | None, names: tuple[str, ...],
              sel: Selection) -> Chunk:
-    """A ``Chunk`` of the one row ``rows_query`` returns for ``keys`` (already in their order), with the keys'
-    reward, advantage and group size. A key without its stored row (or of another attempt) means the read left
-    its snapshot."""
-    if not keys:
+    """A ``Chunk`` of the one row ``rows_query`` returns (or ``rows_of`` makes of streamed rows) for the keys
+    (``KEY_COLUMNS``, one sequence each, in export order), with the keys' reward, advantage and group size. A key
+    without its stored row (or of another attempt) means the read left its snapshot."""
+    if not keys or not keys[0]:
         return Chunk.empty()
     values: dict[str, Any] = {}
     at = 0
@@ -78,12 +79,12 @@ def assemble(keys: list[tuple[Any, ...]], row: tuple[Any, ...] | None, names: tu
         width = 2 if name in PACKED_FIELDS or name in PAIR_FIELDS else 1
         values[name] = row[at:at + width] if row is not None and width == 2 else (row[at] if row else None)
         at += width
-    ids = [k[0] for k in keys]
-    if values["episode_id"] != ids or values["attempt"] != [k[1] for k in keys]:
+    ids, attempts, rewards, advantages, sizes = (list(k) for k in keys)
+    if values["episode_id"] != ids or values["attempt"] != attempts:
         raise StoreError("a trajectory changed during the read (not in one snapshot?)", retryable=True)
     columns = {name: list(v) for name, v in values.items() if name not in PACKED_FIELDS and name not in PAIR_FIELDS}
-    columns.update(reward=[k[2] for k in keys], advantage=[k[3] for k in keys], group_size=[k[4] for k in keys],
-                   reward_source=[str(sel.reward) if sel.reward else "rollout"] * len(keys))
+    columns.update(reward=rewards, advantage=advantages, group_size=sizes,
+                   reward_source=[str(sel.reward) if sel.reward else "rollout"] * len(ids))
     (tok_bytes, tok_sizes), (lp_bytes, lp_sizes) = values["token_ids"], values["logprobs"]
     token_ids = np.frombuffer(tok_bytes or b"", PACKED["token_ids"]).astype(np.int32, copy=False)
     logprobs = np.frombuffer(lp_bytes or b"", PACKED["logprobs"]).astype(np.float32, copy=False)
@@ -110,22 +111,41 @@ def fetch(conn: psycopg.Connection[Any], sel: Selection, scope: Scope | None = N
     return read_chunk(conn, keys, sel, fields)
 
 
+def rows_of(rows: Sequence[Sequence[Any]], names: tuple[str, ...]) -> tuple[list[Sequence[Any]], tuple[Any, ...]]:
+    """Rows of ``stream_query`` -> (their key columns, the one-row-per-chunk layout ``rows_query`` returns), so
+    that ``assemble`` reads both alike: packed bytes joined with each row's byte length, pair fields' texts joined
+    with each row's count, every other field as one list."""
+    cols: list[Sequence[Any]] = list(zip(*rows, strict=True))
+    out: list[Any] = []
+    at = len(KEY_COLUMNS)
+    for name in names:
+        if name in PACKED_FIELDS:
+            out += [b"".join(cols[at]), [len(v) for v in cols[at]]]
+        elif name in PAIR_FIELDS:
+            out += [",".join(v for v in cols[at] if v), list(cols[at + 1])]
+            at += 1
+        else:
+            out.append(list(cols[at]))
+        at += 1
+    return cols[:len(KEY_COLUMNS)], tuple(out)
+
+
 _DONE = object()
 
 
 def stream(database_url: str, sel: Selection, chunk: int = 500,
-           fields: Collection[str] | None = None, lookups: int = 2) -> Iterator[Chunk]:
-    """Selected rows in chunks of ``chunk``: keys from a server-side cursor, each chunk's rows by index lookups
-    (one row of arrays per chunk, ``selection.rows_query``) on ``lookups`` more connections that share the first
-    one's REPEATABLE READ snapshot (``pg_export_snapshot``), taking chunks in turn.
+           fields: Collection[str] | None = None) -> Iterator[Chunk]:
+    """Selected rows in chunks of ``chunk``: ``selection.stream_query`` through a cursor (one connection, one
+    snapshot), in export order.
 
-    A reader thread fetches and unpacks chunks while the caller maps and writes the one before; each lookup
-    connection runs in pipeline mode with one query in flight, so Postgres looks up the next chunks while this one
-    is assembled (Postgres, the reader and the writer work at the same time); at most ``lookups`` chunks are in
-    flight and two wait for the caller, so memory stays bounded by the chunk size.
+    The query is DECLAREd (Postgres plans a cursor for its first rows: the streaming plan of ``stream_query``)
+    and read with one ``FETCH ALL`` in libpq's chunked-rows mode: Postgres sends rows while they are consumed
+    (no round trip per chunk; TCP's flow control bounds what is in flight). A reader thread parses and assembles
+    the next chunks while the caller maps and writes the one before (psycopg waits without the GIL, so
+    Postgres, the reader and the writer work at the same time); at most two chunks wait for the caller, so
+    memory stays bounded by the chunk size.
     """
-    query, params = build_query(sel)
-    rows_sql, names = rows_query(fields)
+    query, params, names = stream_query(sel, fields)
     chunks: queue.Queue[Any] = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -140,37 +160,17 @@ def stream(database_url: str, sel: Selection, chunk: int = 500,
 
     def read() -> None:
         try:
-            with ExitStack() as stack:
-                kconn = stack.enter_context(connect(database_url))
-                rconns = [stack.enter_context(connect(database_url)) for _ in range(lookups)]
-                for conn in (kconn, *rconns):
-                    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-                    stack.enter_context(conn.transaction())
-                row = kconn.execute("SELECT pg_export_snapshot()").fetchone()
-                for conn in rconns:
-                    conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(row[0] if row else "")))
-                    conn.execute(SERIAL_READ)
-                pipes = [(conn, stack.enter_context(conn.pipeline())) for conn in rconns]
-                keys = stack.enter_context(kconn.cursor(name="rl_export_keys"))
-                keys.itersize = chunk
-                keys.execute(query, params)
-                pending: deque[tuple[psycopg.Cursor[Any], Pipeline, list[tuple[Any, ...]]]] = deque()
-                sent = 0
-                while not stop.is_set():
-                    batch = keys.fetchmany(chunk)
-                    if batch:  # sent now: Postgres looks it up while earlier chunks are assembled
-                        conn, pipe = pipes[sent % len(pipes)]
-                        cur = conn.cursor(binary=True)
-                        cur.execute(rows_sql, {"ids": [k[0] for k in batch]})
-                        pending.append((cur, pipe, batch))
-                        sent += 1
-                    if pending and (len(pending) > len(pipes) - 1 or not batch):
-                        cur, pipe, done_keys = pending.popleft()
-                        pipe.sync()
-                        if not put(assemble(done_keys, cur.fetchone(), names, sel)):
+            with connect(database_url) as conn, conn.transaction():
+                conn.execute(sql.SQL("DECLARE rl_export NO SCROLL CURSOR FOR {}").format(sql.SQL(query)), params)
+                rows: list[Any] = []
+                for r in conn.cursor().stream("FETCH ALL FROM rl_export", binary=True, size=chunk):
+                    rows.append(r)
+                    if len(rows) == chunk:
+                        chunk_rows, rows = rows, []
+                        if not put(assemble(*rows_of(chunk_rows, names), names, sel)):
                             return
-                    if not batch and not pending:
-                        break
+                if rows and not put(assemble(*rows_of(rows, names), names, sel)):
+                    return
             put(_DONE)
         except BaseException as exc:  # handed to the consumer, raised there
             put(exc)

@@ -1,12 +1,14 @@
-"""``source.stream`` reads keys on one connection and rows on ``lookups`` others sharing its snapshot, pipelined:
-every selected trajectory arrives once, in the selection's order, with the arrays it was stored with, for any
-number of lookup connections and any chunk size; a trajectory replaced during the read does not leak in."""
+"""``source.stream`` reads a one-shot export as one streamed query (``selection.stream_query``): every selected
+trajectory arrives once, in the same order and with the same keys (reward, advantage, group size) as the consumer
+path's keys query, with the arrays it was stored with, for any chunk size and selection; a trajectory replaced
+during the read does not leak in."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import connect, fetch, stream
 from tests.integration.export_data import Traj, run, seed_batch
@@ -21,13 +23,13 @@ def seeded(database_url: str) -> list[str]:
     return [e for g in ids for e in g]
 
 
-@pytest.mark.parametrize(("lookups", "chunk"), [(1, 1), (1, 4), (2, 1), (2, 5), (3, 2), (2, 500)])
-def test_every_row_once_in_selection_order(database_url: str, seeded: list[str], lookups: int, chunk: int) -> None:
+@pytest.mark.parametrize("chunk", [1, 2, 4, 5, 500])
+def test_every_row_once_in_selection_order(database_url: str, seeded: list[str], chunk: int) -> None:
     stored = {r[0]: r[1:] for r in run(database_url, "SELECT episode_id, token_ids, logprobs, loss_mask, "
                                                      "weight_versions, action_ranges FROM trajectories")}
     with connect(database_url) as conn:
         want = [r["episode_id"] for r in fetch(conn, Selection())]
-    got = [row for c in stream(database_url, Selection(), chunk, lookups=lookups) for row in c]
+    got = [row for c in stream(database_url, Selection(), chunk) for row in c]
     assert [r["episode_id"] for r in got] == want and sorted(want) == sorted(seeded)
     for row in got:
         ids, lps, mask, wv, ranges = stored[row["episode_id"]]
@@ -37,9 +39,33 @@ def test_every_row_once_in_selection_order(database_url: str, seeded: list[str],
 
 
 def test_a_replacement_during_the_read_is_not_seen(database_url: str, seeded: list[str]) -> None:
-    rows = stream(database_url, Selection(), 2, lookups=2)
+    rows = stream(database_url, Selection(), 2)
     first = next(rows)
     run(database_url, "UPDATE trajectories SET attempt = attempt + 1, reward = 42")
     rest = [r for c in rows for r in c]
     assert len(first) + len(rest) == len(seeded)
     assert all(r["attempt"] == 1 and r["rollout_reward"] != 42 for r in [*first, *rest])
+
+
+SELECTIONS = [
+    Selection(),
+    Selection(complete_groups=True),
+    Selection(drop_uniform=True),
+    Selection(complete_groups=True, drop_uniform=True, reward_min=0.5),
+    Selection(envs=("nope",)),
+    Selection(advantage=AdvantageSpec(AdvantageKind.RLOO)),
+    Selection(advantage=AdvantageSpec(AdvantageKind.GRPO, normalize_std=False)),
+    Selection(advantage=AdvantageSpec(AdvantageKind.NONE), statuses=("completed",)),
+]
+
+
+@pytest.mark.parametrize("sel", SELECTIONS)
+def test_the_streamed_query_selects_what_the_keys_query_does(database_url: str, seeded: list[str],
+                                                               sel: Selection) -> None:
+    # the one-shot export (one streamed query, group statistics as window functions) and the consumer path (a
+    # keys query with GROUP BY, rows looked up per chunk) must agree on rows, order and every key column
+    with connect(database_url) as conn:
+        want = fetch(conn, sel)
+    got = [row for c in stream(database_url, sel, 3) for row in c]
+    keys = ("episode_id", "attempt", "reward", "advantage", "group_size")
+    assert [tuple(r[k] for k in keys) for r in got] == [tuple(r[k] for k in keys) for r in want]
