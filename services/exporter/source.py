@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Collection, Iterator, Sequence
@@ -159,21 +160,30 @@ def stream(database_url: str, sel: Selection, chunk: int = 500,
         return False
 
     def read() -> None:
+        conn: psycopg.Connection[Any] | None = None
+        rows: Iterator[Any] | None = None
         try:
-            with connect(database_url) as conn, conn.transaction():
-                conn.execute(sql.SQL("DECLARE rl_export NO SCROLL CURSOR FOR {}").format(sql.SQL(query)), params)
-                rows: list[Any] = []
-                for r in conn.cursor().stream("FETCH ALL FROM rl_export", binary=True, size=chunk):
-                    rows.append(r)
-                    if len(rows) == chunk:
-                        chunk_rows, rows = rows, []
-                        if not put(assemble(*rows_of(chunk_rows, names), names, sel)):
-                            return
-                if rows and not put(assemble(*rows_of(rows, names), names, sel)):
-                    return
+            conn = connect(database_url)
+            conn.execute(sql.SQL("DECLARE rl_export NO SCROLL CURSOR FOR {}").format(sql.SQL(query)), params)
+            rows = conn.cursor().stream("FETCH ALL FROM rl_export", binary=True, size=chunk)
+            batch: list[Any] = []
+            for r in rows:
+                batch.append(r)
+                if len(batch) == chunk:
+                    done, batch = batch, []
+                    if not put(assemble(*rows_of(done, names), names, sel)):
+                        return
+            if batch and not put(assemble(*rows_of(batch, names), names, sel)):
+                return
             put(_DONE)
         except BaseException as exc:  # handed to the consumer, raised there
             put(exc)
+        finally:  # the connection first: closing an unfinished stream would read every remaining row
+            if conn is not None:
+                conn.close()
+            if rows is not None:
+                with contextlib.suppress(psycopg.Error):
+                    rows.close()  # type: ignore[attr-defined]
 
     reader = threading.Thread(target=read, name="rl-export-reader", daemon=True)
     reader.start()

@@ -5,6 +5,8 @@ during the read does not leak in."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -69,3 +71,16 @@ def test_the_streamed_query_selects_what_the_keys_query_does(database_url: str, 
     got = [row for c in stream(database_url, sel, 3) for row in c]
     keys = ("episode_id", "attempt", "reward", "advantage", "group_size")
     assert [tuple(r[k] for k in keys) for r in got] == [tuple(r[k] for k in keys) for r in want]
+
+
+def test_a_consumer_that_stops_early_releases_the_connection(database_url: str, seeded: list[str]) -> None:
+    # the reader closes its connection before the unfinished stream (which would otherwise be read to its end)
+    rows = stream(database_url, Selection(), 1)
+    assert len(next(rows)) == 1
+    rows.close()  # type: ignore[attr-defined]
+    query = ("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'rollout-exporter' "
+             "AND pid <> pg_backend_pid()")
+    deadline = time.monotonic() + 5  # a backend leaves pg_stat_activity once its process has exited
+    while run(database_url, query) != [(0,)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run(database_url, query) == [(0,)]
