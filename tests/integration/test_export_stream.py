@@ -77,7 +77,7 @@ def test_a_consumer_that_stops_early_releases_the_connection(database_url: str, 
     # the reader closes its connection before the unfinished stream (which would otherwise be read to its end)
     rows = stream(database_url, Selection(), 1)
     assert len(next(rows)) == 1
-    rows.close()  # type: ignore[attr-defined]
+    rows.close()
     query = ("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'rollout-exporter' "
              "AND pid <> pg_backend_pid()")
     deadline = time.monotonic() + 5  # a backend leaves pg_stat_activity once its process has exited
