@@ -159,6 +159,10 @@ async def test_cancel_before_start_and_mid_episode(stack: Stack, nc: bus.NATS, p
     cancels = await js.key_value(CANCEL_BUCKET)
     early = work_item("fixed-turns", {"turns": 3})
     await cancels.put(early.batch_id, b"2026-01-01T00:00:00Z")
+    # "before start" means the worker knows of the cancel when the item arrives: the KV watch and the work
+    # consumer are separate subscriptions, so an item published right after the put can be delivered first (the
+    # episode then stops at its next turn, as the mid-episode case below checks)
+    await until(lambda: metric(worker.url, "rollout_cancelled_batches") == 1, 10, "the worker to see the cancel")
     await bus.publish_event(js, early)
     ev = await terminal_of(js, early.episode_id)
     assert ev.type == "episode.cancelled" and ev.num_turns == 0 and ev.event_id == f"{early.episode_id}:a1:end"
