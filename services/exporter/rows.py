@@ -1,6 +1,6 @@
 """A chunk of selected trajectories held by column (``Chunk``): each per-token array of the whole chunk is one flat
-numpy array with row offsets, action ranges and segments are flat ``Spans``; every other field is a list with one
-value per row.
+numpy array with row offsets, action ranges and segments are flat ``Spans``; every other field is an Arrow array
+(one value per row; as read, without a Python object per value), JSON fields a list of Python values.
 
 Reading: ``selection.rows_query`` returns a chunk as one row of arrays, ``token_ids`` and ``logprobs`` as the
 concatenated packed little-endian copies (``trajectories.token_ids_le`` / ``logprobs_le``, migration 0005), read
@@ -18,11 +18,12 @@ A ``Chunk`` is also a sequence of row dicts (arrays as views into the flat array
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, overload
 
 import numpy as np
+import pyarrow as pa
 
 from rollout_ledger.shared.errors import SchemaError
 
@@ -31,6 +32,9 @@ ARRAYS = ("token_ids", "loss_mask", "logprobs", "weight_versions")
 
 PACKED = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4")}
 """The arrays read as packed little-endian bytes, and their element type."""
+
+JSON_FIELDS = ("task", "drifts")
+"""Row fields stored as jsonb: a ``Chunk`` holds them as Python values (``Chunk.json``)."""
 
 
 def unpack(raws: Sequence[bytes | memoryview | None], dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -131,16 +135,27 @@ class Spans:
 
 @dataclass(eq=False)
 class Chunk(Sequence[dict[str, Any]]):
-    """Selected trajectories by column: ``columns`` (one list per scalar field: ids, counts, ``task``...),
-    ``arrays`` (each of ``ARRAYS`` as one flat array of the rows laid end to end), ``offsets`` (row ``i`` is
-    ``[offsets[i], offsets[i + 1])`` of every array), and the rows' action ranges (with the weight version of each)
-    and segments as flat ``Spans``."""
+    """Selected trajectories by column: ``columns`` (one Arrow array per scalar field: ids, counts...), ``json``
+    (the ``JSON_FIELDS`` read, one Python value per row), ``arrays`` (each of ``ARRAYS`` as one flat array of the
+    rows laid end to end), ``offsets`` (row ``i`` is ``[offsets[i], offsets[i + 1])`` of every array), and the
+    rows' action ranges (with the weight version of each) and segments as flat ``Spans``."""
 
-    columns: dict[str, list[Any]]
+    columns: dict[str, pa.Array]
+    json: dict[str, list[Any]]
     arrays: dict[str, np.ndarray]
     offsets: np.ndarray
     ranges: Spans
     segments: Spans
+    _lists: dict[str, list[Any]] = field(default_factory=dict, repr=False)
+
+    def values(self, name: str) -> list[Any]:
+        """A scalar or JSON field as one Python value per row (converted once per chunk, for per-row code)."""
+        if name in self.json:
+            return self.json[name]
+        got = self._lists.get(name)
+        if got is None:
+            got = self._lists[name] = self.columns[name].to_pylist()
+        return got
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -159,7 +174,7 @@ class Chunk(Sequence[dict[str, Any]]):
         if not 0 <= i < len(self):
             raise IndexError(i)
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        row = {name: col[i] for name, col in self.columns.items()}
+        row = {name: self.values(name)[i] for name in (*self.columns, *self.json)}
         row.update({name: arr[a:b] for name, arr in self.arrays.items()})
         r0, r1 = int(self.ranges.offsets[i]), int(self.ranges.offsets[i + 1])
         row["action_ranges"] = (np.stack([self.ranges.lo[r0:r1], self.ranges.hi[r0:r1]], axis=1) - a).tolist()
@@ -179,17 +194,18 @@ class Chunk(Sequence[dict[str, Any]]):
     @classmethod
     def empty(cls) -> Chunk:
         none = Spans(np.empty(0, np.int64), np.empty(0, np.int64), np.zeros(1, np.int64), np.empty(0, np.int32))
-        return cls({}, {name: np.empty(0, np.float32 if name == "logprobs" else np.int32) for name in ARRAYS},
+        return cls({}, {}, {name: np.empty(0, np.float32 if name == "logprobs" else np.int32) for name in ARRAYS},
                    np.zeros(1, np.int64), none, none)
 
     @classmethod
-    def build(cls, columns: dict[str, list[Any]], token_ids: np.ndarray, logprobs: np.ndarray, lengths: np.ndarray,
-              ranges: np.ndarray, range_counts: np.ndarray, versions: np.ndarray, segments: np.ndarray,
-              segment_counts: np.ndarray) -> Chunk:
-        """A chunk from its per-row scalar columns, its two flat sampled arrays (``lengths`` per row), its action
-        ranges (k x 2, relative to their row; ``range_counts`` per row) with one weight version each (-1: none),
-        and its segments (m x 2, ``segment_counts`` per row; a row without any gets one covering it): the ranges
-        and segments are checked, ``loss_mask`` and ``weight_versions`` rebuilt."""
+    def build(cls, columns: Mapping[str, Sequence[Any] | pa.Array], token_ids: np.ndarray, logprobs: np.ndarray,
+              lengths: np.ndarray, ranges: np.ndarray, range_counts: np.ndarray, versions: np.ndarray,
+              segments: np.ndarray, segment_counts: np.ndarray) -> Chunk:
+        """A chunk from its per-row scalar columns (Arrow arrays or sequences; ``JSON_FIELDS`` as Python values), its
+        two flat sampled arrays (``lengths`` per row), its action ranges (k x 2, relative to their row;
+        ``range_counts`` per row) with one weight version each (-1: none), and its segments (m x 2,
+        ``segment_counts`` per row; a row without any gets one covering it): the ranges and segments are checked,
+        ``loss_mask`` and ``weight_versions`` rebuilt."""
         n = len(lengths)
         if len(token_ids) != len(logprobs) or int(np.sum(lengths)) != len(token_ids):
             raise SchemaError("token_ids and logprobs of a trajectory differ in length")
@@ -207,8 +223,11 @@ class Chunk(Sequence[dict[str, Any]]):
         seg_lo, seg_hi = _spans(lengths, segments, segment_counts, "segments")
         vers = versions.astype(np.int32)
         mask, wv = mask_and_versions(len(token_ids), lo, hi, vers)
-        return cls(columns, {"token_ids": token_ids, "loss_mask": mask, "logprobs": logprobs, "weight_versions": wv},
-                   offsets(lengths), Spans(lo, hi, offsets(range_counts), vers),
+        arrow = {name: col if isinstance(col, pa.Array) else pa.array(list(col))
+                 for name, col in columns.items() if name not in JSON_FIELDS}
+        json = {name: list(col) for name, col in columns.items() if name in JSON_FIELDS}
+        return cls(arrow, json, {"token_ids": token_ids, "loss_mask": mask, "logprobs": logprobs,
+                                 "weight_versions": wv}, offsets(lengths), Spans(lo, hi, offsets(range_counts), vers),
                    Spans(seg_lo, seg_hi, offsets(segment_counts)))
 
     @classmethod
@@ -223,7 +242,7 @@ class Chunk(Sequence[dict[str, Any]]):
         segments = [r.get("segments") or [] for r in rows]
         skip = {*ARRAYS, "action_ranges", "range_versions", "segments"}
         names = [k for k in (rows[0] if rows else {}) if k not in skip]
-        columns: dict[str, list[Any]] = {k: [r.get(k) for r in rows] for k in names}
+        columns: dict[str, Sequence[Any]] = {k: [r.get(k) for r in rows] for k in names}
 
         def flat(values: Sequence[Sequence[Any]]) -> np.ndarray:
             return np.array(list(chain.from_iterable(values)), np.int64).reshape(-1, 2)

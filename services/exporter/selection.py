@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rollout_ledger.services.exporter.advantages import AdvantageSpec
+from rollout_ledger.services.exporter.rows import JSON_FIELDS
 from rollout_ledger.shared.lifecycle import TERMINAL
 
 
@@ -118,12 +119,11 @@ ALWAYS_READ = ("episode_id", "attempt", "token_ids", "logprobs", "range_versions
 
 PACKED_FIELDS = ("token_ids", "logprobs")
 """Fields read as packed bytes: a chunk's values come concatenated, with each row's byte length."""
-JSON_FIELDS = ("task", "drifts")
-"""jsonb fields: a chunk's values come as one JSON array (``json_agg``: one text rendering per value, where an
-``array_agg`` of jsonb costs the server a ``jsonb_send`` call and an array element per value, six times as much)."""
 PAIR_FIELDS = ("action_ranges", "segments", "range_versions")
-"""Small per-row int arrays: a chunk's values come as one comma-separated text (NULL as -1), with each row's
-number of values."""
+"""Small per-row int arrays: in ``rows_query`` a chunk's values come as one comma-separated text (NULL as -1),
+with each row's number of values. ``JSON_FIELDS`` (jsonb) come there as one JSON array (``json_agg``: one text
+rendering per value, where an ``array_agg`` of jsonb costs the server a ``jsonb_send`` call and an array element
+per value, six times as much)."""
 
 
 def rows_query(fields: Collection[str] | None = None) -> tuple[str, tuple[str, ...]]:
@@ -267,31 +267,29 @@ def build_query(sel: Selection, scope: Scope | None = None) -> tuple[str, dict[s
 
 
 def stream_query(sel: Selection, fields: Collection[str] | None = None) -> tuple[str, dict[str, Any], tuple[str, ...]]:
-    """The whole selection as ONE query streaming ``KEY_COLUMNS`` and then the row fields of every selected
-    trajectory, in (group, episode) order: what a one-shot export reads through a server-side cursor.
+    """The whole selection as ONE query returning ``KEY_COLUMNS`` and then the row fields of every selected
+    trajectory, in (group, episode) order: what a one-shot export streams (``source.stream``).
 
-    The group statistics are window functions over ``PARTITION BY group_id`` at the rows' own level (no subquery:
-    Postgres plans a cursor for its first rows only at the top level), so with the index on
-    ``trajectories.group_id`` it walks the groups in order and hands out each group's rows as soon as the group
-    is read (an incremental sort orders a group's few rows by episode): rows flow from the first fetch, the
-    selection is never sorted as a whole (its rows are wide), and the read is one pass instead of a keys query
-    plus an index lookup per row. Group filters (complete groups, uniform rewards) are a semi-join on the groups
-    that pass them, aggregated over keys only. Returns the query, its parameters and the row fields in the order
-    they follow the keys (each ``PAIR_FIELDS`` entry as two columns: its values as comma-separated text, and
-    their number).
+    Late materialisation: an inner query selects and orders KEYS only (the row filters, the group statistics as
+    window functions over each group (summed in episode order, so an advantage does not change with the plan
+    down to the last bit), the group filters as a semi-join on the groups that pass
+    them), carrying each row's physical address (``ctid``, and its episode's); the outer query fetches the wide
+    fields of each key by that address (a TID scan: no index lookup) in a ``LATERAL`` subquery that ``OFFSET 0``
+    keeps parameterised, so it runs as a nested loop that keeps the keys' order. Postgres sorts a few narrow
+    columns (never the token arrays, whatever plan it picks for the filters: an index for a selective batch, a
+    sequential scan for the whole store), and the result streams under ``COPY`` as under a cursor. Both parts
+    run in one statement, so one snapshot: a key's tuple is visible at its address for the whole read.
+
+    Returns the query, its parameters and the row fields in the order they follow the keys (``episode_id`` and
+    ``attempt`` are keys, not repeated). Fields come as stored: packed bytes for ``PACKED_FIELDS``, ``int4[]``
+    for ``PAIR_FIELDS``, jsonb for ``JSON_FIELDS``.
     """
     wanted = set(ROW_COLUMNS if fields is None else fields) | set(ALWAYS_READ)
     unknown = wanted - set(ROW_SQL)
     if unknown:
         raise ValueError(f"unknown row fields: {', '.join(sorted(unknown))}")
-    names = tuple(c for c in ROW_COLUMNS if c in wanted)
+    names = tuple(c for c in ROW_COLUMNS if c in wanted and c not in ("episode_id", "attempt"))
     f = _filters(sel)
-    cols = []
-    for c in names:
-        if c in PAIR_FIELDS:
-            cols += [f"array_to_string({ROW_SQL[c]}, ',', '-1')", f"cardinality({ROW_SQL[c]})"]
-        else:
-            cols.append(ROW_SQL[c])
     r = f"({f.reward})::float8"
     advantage = sel.advantage.sql(r, f"avg({r}) OVER g", f"stddev_samp({r}) OVER g", f"sum({r}) OVER g",
                                   f"count({r}) OVER g")
@@ -301,10 +299,13 @@ def stream_query(sel: Selection, fields: Collection[str] | None = None) -> tuple
         where.append(f"t.group_id IN (SELECT t.group_id {source} WHERE {' AND '.join(f.where) or 'TRUE'} "
                      f"GROUP BY t.group_id HAVING "
                      f"{f.final_sql(members='count(*)', hi=f'max({r})', lo=f'min({r})', group='t.group_id')})")
-    query = (
-        f"SELECT t.episode_id, t.attempt, {r} AS reward, {advantage} AS advantage, count(*) OVER g AS group_size, "
-        + ", ".join(cols)
-        + f" {source} WHERE {' AND '.join(where) or 'TRUE'} WINDOW g AS (PARTITION BY t.group_id) "
-        "ORDER BY t.group_id, t.episode_id"
-    )
+    keys = (f"SELECT t.ctid AS tid, e.ctid AS eid, t.group_id AS gid, t.episode_id, t.attempt, {r} AS reward, "
+            f"{advantage} AS advantage, count(*) OVER g AS group_size {source} "
+            f"WHERE {' AND '.join(where) or 'TRUE'} WINDOW g AS (PARTITION BY t.group_id ORDER BY t.episode_id "
+            "ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING) ORDER BY t.group_id, t.episode_id")
+    episodes = any(ROW_SQL[c].startswith("e.") for c in names)
+    fetch = ("SELECT " + ", ".join(f"{ROW_SQL[c]} AS {c}" for c in names) + " FROM trajectories t"
+             + (", episodes e WHERE e.ctid = k.eid AND" if episodes else " WHERE") + " t.ctid = k.tid OFFSET 0")
+    query = (f"SELECT k.episode_id, k.attempt, k.reward, k.advantage, k.group_size, w.* FROM ({keys}) k "
+             f"CROSS JOIN LATERAL ({fetch}) w ORDER BY k.gid, k.episode_id")
     return query, f.params, names

@@ -1,5 +1,5 @@
-"""Reads selected trajectories out of Postgres: connections, a one-shot export's server-side cursor streamed in
-``Chunk``s (``stream``), and a consumer read's rows looked up by key (``read_chunk``)."""
+"""Reads selected trajectories out of Postgres: connections, a one-shot export's single query streamed into
+``Chunk``s through ADBC (``stream``), and a consumer read's rows looked up by key (``read_chunk``)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ import queue
 import threading
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
+import adbc_driver_postgresql.dbapi as adbc
 import numpy as np
 import orjson
 import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
 from psycopg import sql
 from psycopg.types.json import set_json_loads
 
-from rollout_ledger.services.exporter.rows import PACKED, Chunk
+from rollout_ledger.services.exporter.rows import JSON_FIELDS, PACKED, Chunk
 from rollout_ledger.services.exporter.selection import (
     KEY_COLUMNS,
     PACKED_FIELDS,
@@ -29,6 +33,9 @@ from rollout_ledger.services.exporter.selection import (
 )
 from rollout_ledger.shared.errors import SchemaError, StoreError
 from rollout_ledger.shared.settings import normalize_database_url
+
+BATCH_BYTES = 4 << 20
+"""About how many bytes of rows the driver decodes into one Arrow batch (then cut into chunks)."""
 
 
 def libpq_url(database_url: str) -> str:
@@ -112,23 +119,70 @@ def fetch(conn: psycopg.Connection[Any], sel: Selection, scope: Scope | None = N
     return read_chunk(conn, keys, sel, fields)
 
 
-def rows_of(rows: Sequence[Sequence[Any]], names: tuple[str, ...]) -> tuple[list[Sequence[Any]], tuple[Any, ...]]:
-    """Rows of ``stream_query`` -> (their key columns, the one-row-per-chunk layout ``rows_query`` returns), so
-    that ``assemble`` reads both alike: packed bytes joined with each row's byte length, pair fields' texts joined
-    with each row's count, every other field as one list."""
-    cols: list[Sequence[Any]] = list(zip(*rows, strict=True))
-    out: list[Any] = []
-    at = len(KEY_COLUMNS)
-    for name in names:
-        if name in PACKED_FIELDS:
-            out += [b"".join(cols[at]), [len(v) for v in cols[at]]]
-        elif name in PAIR_FIELDS:
-            out += [",".join(v for v in cols[at] if v), list(cols[at + 1])]
-            at += 1
+_DONE = object()
+
+
+def _rendered(query: str, params: dict[str, Any]) -> str:
+    """``query`` with its ``%(name)s`` parameters as SQL literals (quoted by psycopg): ADBC streams a result
+    through ``COPY``, which takes no bound parameters."""
+    return query % {name: sql.Literal(value).as_string(None) for name, value in params.items()}
+
+
+def _adbc_uri(database_url: str) -> str:
+    parts = urlsplit(libpq_url(database_url))
+    query = "&".join(p for p in (parts.query, "application_name=rollout-exporter") if p)
+    return urlunsplit(parts._replace(query=query))
+
+
+def _packed(col: pa.Array, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """A ``bytea`` column of packed little-endian values -> (the rows' values laid end to end, each row's byte
+    length), read in place from the Arrow buffers (a NULL reads as empty)."""
+    offsets = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
+    data = col.buffers()[2]
+    raw = np.frombuffer(data, np.uint8)[offsets[0]:offsets[-1]] if data is not None else np.empty(0, np.uint8)
+    sizes = np.diff(offsets).astype(np.int64)
+    if np.any(sizes % dtype.itemsize):
+        raise SchemaError(f"packed array is not a whole number of {dtype.itemsize}-byte values")
+    return raw.view(dtype).astype(dtype.newbyteorder("="), copy=False), sizes
+
+
+def _pairs(col: pa.Array, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """An ``int4[]`` column (a 2-D array arrives flattened) -> (its values laid end to end, NULL elements as -1;
+    each row's number of values, a NULL array counting none)."""
+    counts = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)
+    values = pc.fill_null(pc.list_flatten(col), -1).to_numpy().astype(np.int64)
+    if len(values) != int(counts.sum()):
+        raise SchemaError(f"{what}: {len(values)} values for {int(counts.sum())} announced")
+    return values, counts
+
+
+def arrow_chunk(batch: pa.RecordBatch, names: tuple[str, ...], reward_source: str) -> Chunk:
+    """A ``Chunk`` of a batch of ``stream_query`` rows (``KEY_COLUMNS``, then the fields ``names``), column by
+    column: packed arrays read in place, ``int4[]`` spans flattened, scalar fields kept as Arrow arrays, jsonb
+    parsed."""
+    columns: dict[str, Any] = {}
+    for name in (*KEY_COLUMNS, *names):
+        if name in PACKED_FIELDS or name in PAIR_FIELDS:
+            continue
+        col = batch.column(name)
+        if name in JSON_FIELDS:
+            texts = (col.storage if isinstance(col, pa.ExtensionArray) else col).to_pylist()
+            columns[name] = [None if t is None else orjson.loads(t) for t in texts]
         else:
-            out.append(list(cols[at]))
-        at += 1
-    return cols[:len(KEY_COLUMNS)], tuple(out)
+            columns[name] = col
+    columns["reward_source"] = pa.array([reward_source] * batch.num_rows, pa.string())
+    token_ids, tok_sizes = _packed(batch.column("token_ids"), PACKED["token_ids"])
+    logprobs, lp_sizes = _packed(batch.column("logprobs"), PACKED["logprobs"])
+    lengths = pc.fill_null(batch.column("num_tokens"), 0).to_numpy().astype(np.int64)
+    if np.any(tok_sizes != lp_sizes) or np.any(tok_sizes != 4 * lengths):
+        raise SchemaError("a trajectory's packed token_ids, logprobs and num_tokens disagree in length")
+    ranges, range_values = _pairs(batch.column("action_ranges"), "action_ranges")
+    versions, version_counts = _pairs(batch.column("range_versions"), "action_versions")
+    segments, segment_values = _pairs(batch.column("segments"), "segments")
+    if np.any(range_values % 2) or np.any(segment_values % 2) or np.any(range_values // 2 != version_counts):
+        raise SchemaError("action ranges, their versions or segments are not [start, end) pairs")
+    return Chunk.build(columns, token_ids, logprobs, lengths, ranges.reshape(-1, 2), range_values // 2, versions,
+                       segments.reshape(-1, 2), segment_values // 2)
 
 
 _DONE = object()
@@ -136,17 +190,20 @@ _DONE = object()
 
 def stream(database_url: str, sel: Selection, chunk: int = 500,
            fields: Collection[str] | None = None) -> Iterator[Chunk]:
-    """Selected rows in chunks of ``chunk``: ``selection.stream_query`` through a cursor (one connection, one
-    snapshot), in export order.
+    """Selected rows in chunks of at most ``chunk``: ``selection.stream_query`` (one statement, one snapshot), in
+    export order.
 
-    The query is DECLAREd (Postgres plans a cursor for its first rows: the streaming plan of ``stream_query``)
-    and read with one ``FETCH ALL`` in libpq's chunked-rows mode: Postgres sends rows while they are consumed
-    (no round trip per chunk; TCP's flow control bounds what is in flight). A reader thread parses and assembles
-    the next chunks while the caller maps and writes the one before (psycopg waits without the GIL, so
-    Postgres, the reader and the writer work at the same time); at most two chunks wait for the caller, so
-    memory stays bounded by the chunk size.
+    The query runs through ADBC's PostgreSQL driver, which reads it as ``COPY ... TO STDOUT (FORMAT binary)`` and
+    decodes the rows into Arrow record batches in C (no Python object per field: a row of psycopg cost more
+    client CPU than the Parquet encoding of it). Postgres sends rows while they are consumed (TCP's flow control
+    bounds what is in flight). A reader thread decodes and assembles the next chunks while the caller maps and
+    writes the one before (the driver reads without the GIL, so Postgres, the reader and the writer work at the
+    same time); at most two chunks wait for the caller, so memory stays bounded by the chunk size and the
+    driver's batch (``BATCH_BYTES``).
     """
     query, params, names = stream_query(sel, fields)
+    text = _rendered(query, params)
+    source = str(sel.reward) if sel.reward else "rollout"
     chunks: queue.Queue[Any] = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -160,30 +217,25 @@ def stream(database_url: str, sel: Selection, chunk: int = 500,
         return False
 
     def read() -> None:
-        conn: psycopg.Connection[Any] | None = None
-        rows: Iterator[Any] | None = None
         try:
-            conn = connect(database_url)
-            conn.execute(sql.SQL("DECLARE rl_export NO SCROLL CURSOR FOR {}").format(sql.SQL(query)), params)
-            rows = conn.cursor().stream("FETCH ALL FROM rl_export", binary=True, size=chunk)
-            batch: list[Any] = []
-            for r in rows:
-                batch.append(r)
-                if len(batch) == chunk:
-                    done, batch = batch, []
-                    if not put(assemble(*rows_of(done, names), names, sel)):
-                        return
-            if batch and not put(assemble(*rows_of(batch, names), names, sel)):
-                return
+            with contextlib.ExitStack() as stack:
+                try:
+                    conn = stack.enter_context(adbc.connect(_adbc_uri(database_url), autocommit=True))
+                except adbc.Error as exc:
+                    raise StoreError(f"cannot connect to Postgres: {exc}") from exc
+                cur = stack.enter_context(conn.cursor())
+                cur.adbc_statement.set_options(**{"adbc.postgresql.batch_size_hint_bytes": str(BATCH_BYTES)})
+                try:
+                    cur.execute(text)
+                    for batch in cur.fetch_record_batch():
+                        for at in range(0, batch.num_rows, chunk):
+                            if not put(arrow_chunk(batch.slice(at, chunk), names, source)):
+                                return
+                except adbc.Error as exc:
+                    raise StoreError(f"the export query failed: {exc}") from exc
             put(_DONE)
         except BaseException as exc:  # handed to the consumer, raised there
             put(exc)
-        finally:  # the connection first: closing an unfinished stream would read every remaining row
-            if conn is not None:
-                conn.close()
-            if rows is not None:
-                with contextlib.suppress(psycopg.Error):
-                    rows.close()  # type: ignore[attr-defined]
 
     reader = threading.Thread(target=read, name="rl-export-reader", daemon=True)
     reader.start()

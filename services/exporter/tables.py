@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rollout_ledger.services.exporter.records import _SLIME_STATUS, SCHEMAS, Unit
 from rollout_ledger.services.exporter.rows import Chunk, offsets
@@ -100,12 +101,15 @@ class Samples:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def column(self, name: str) -> list[Any]:
+    def column(self, name: str) -> pa.Array:
         """A per-row column repeated for each of the row's samples."""
         col = self.chunk.columns[name]
-        if self._one_each:
-            return col
-        return [col[i] for i in self.rows.tolist()]
+        return col if self._one_each else col.take(pa.array(self.rows))
+
+    def json(self, name: str) -> list[Any]:
+        """A per-row JSON field (Python values) repeated for each of the row's samples."""
+        col = self.chunk.json[name]
+        return col if self._one_each else [col[i] for i in self.rows.tolist()]
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -186,13 +190,18 @@ def _key(v: Any) -> Any:
     return type(v), v
 
 
-def _factorize(values: Sequence[Any]) -> tuple[np.ndarray, int]:
+def _factorize(values: Sequence[Any] | pa.Array) -> tuple[np.ndarray, int]:
     """Codes of ``values`` such that equal codes mean the same JSON text, and how many distinct codes (a column
-    of floats and None: by bits, NaN and None both being JSON null; anything else by ``_key``; unhashable values
-    each get their own code)."""
+    of floats and None: by bits, NaN and None both being JSON null; an Arrow column of another type by value, null
+    being one value; anything else by ``_key``; unhashable values each get their own code)."""
     n = len(values)
-    if n and set(map(type, values)) <= {float, type(None)}:
-        arr = np.array(values, dtype=np.float64)
+    floats = isinstance(values, pa.Array) and pa.types.is_floating(values.type)
+    if isinstance(values, pa.Array) and not floats:
+        encoded = pc.dictionary_encode(values, null_encoding="encode")
+        return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64), len(encoded.dictionary)
+    if n and (floats or set(map(type, values)) <= {float, type(None)}):
+        arr = values.to_numpy(zero_copy_only=False).astype(np.float64) if isinstance(values, pa.Array) \
+            else np.array(values, dtype=np.float64)
         bits = arr.view(np.int64).copy()
         bits[np.isnan(arr)] = _NAN_BITS
         uniq, codes = np.unique(bits, return_inverse=True)
@@ -204,7 +213,7 @@ def _factorize(values: Sequence[Any]) -> tuple[np.ndarray, int]:
         return np.arange(n, dtype=np.int64), n
 
 
-def json_rows(columns: dict[str, Sequence[Any]]) -> list[str]:
+def json_rows(columns: dict[str, Sequence[Any] | pa.Array]) -> list[str]:
     """``json_column`` of the dicts ``{name: columns[name][i]}`` for every i, dumping each distinct row once
     (records of a chunk repeat the same few values: turns, statuses, rewards)."""
     names = list(columns)
@@ -217,19 +226,28 @@ def json_rows(columns: dict[str, Sequence[Any]]) -> list[str]:
             uniq, key = np.unique(key, return_inverse=True)
             key, distinct = key.reshape(-1), len(uniq)
             if distinct * max(k, 1) >= 1 << 62:
-                return json_column([{m: columns[m][i] for m in names} for i in range(n)])
+                every = {m: _pylist(columns[m]) for m in names}
+                return json_column([{m: every[m][i] for m in names} for i in range(n)])
         key = key * max(k, 1) + codes
         distinct *= max(k, 1)
     if not n:
         return []
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    picked = {m: _pylist(columns[m], first) for m in names}
     texts = np.empty(len(first), object)
-    texts[:] = json_column([{m: columns[m][i] for m in names} for i in first.tolist()])
+    texts[:] = json_column([{m: picked[m][j] for m in names} for j in range(len(first))])
     return texts[inverse.reshape(-1)].tolist()
 
 
+def _pylist(values: Sequence[Any] | pa.Array, at: np.ndarray | None = None) -> list[Any]:
+    """Python values of a column (those at positions ``at`` only, when given)."""
+    if isinstance(values, pa.Array):
+        return (values if at is None else values.take(pa.array(at))).to_pylist()
+    return list(values) if at is None else [values[i] for i in at.tolist()]
+
+
 def _labels(s: Samples) -> list[str]:
-    per_row = [orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode() for t in s.chunk.columns["task"]]
+    per_row = [orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode() for t in s.chunk.json["task"]]
     return per_row if s._one_each else [per_row[i] for i in s.rows.tolist()]
 
 
@@ -239,8 +257,14 @@ def _ids(s: Samples) -> dict[str, Any]:
             "sample_index": s.index, "num_samples": s.count}
 
 
-def _sources(s: Samples) -> list[str]:
-    return [str(v or "rollout") for v in s.column("reward_source")]
+def _or(col: pa.Array, default: str) -> pa.Array:
+    """``v or default`` for every value of a string column (null and empty become ``default``)."""
+    col = col.cast(pa.string())
+    return pc.if_else(pc.fill_null(pc.equal(col, ""), True), pa.scalar(default), col)
+
+
+def _sources(s: Samples) -> pa.Array:
+    return _or(s.column("reward_source"), "rollout")
 
 
 def trained_ranges(s: Samples, typ: pa.DataType) -> pa.Array:
@@ -281,12 +305,12 @@ def _openrlhf(s: Samples) -> dict[str, Any]:
                       "rollout_reward": s.column("rollout_reward")})
     return {
         **_ids(s),
-        "prompt": [t or "" for t in s.column("prompt_text")],
+        "prompt": _or(s.column("prompt_text"), ""),
         "label": _labels(s),
         "observation_tokens": slices(arr["token_ids"], s.start, s.end, f.field("observation_tokens").type),
         "action_ranges": actions,
         "rollout_log_probs": slices(arr["logprobs"], s.start, s.end, f.field("rollout_log_probs").type),
-        "truncated": [st == "truncated" for st in s.column("status")],
+        "truncated": pc.fill_null(pc.equal(s.column("status"), "truncated"), False),
         "reward": reward,
         "advantage": advantage,
         "scores": json_rows({"reward": reward, "advantage": advantage}),
@@ -298,22 +322,24 @@ def _openrlhf(s: Samples) -> dict[str, Any]:
 def _slime(s: Samples) -> dict[str, Any]:
     arr, f = s.chunk.arrays, SCHEMAS["slime"]
     status = s.column("status")
+    slime_status = pc.fill_null(pa.array(list(_SLIME_STATUS.values())).take(
+        pc.index_in(status, value_set=pa.array(list(_SLIME_STATUS)))), "aborted")
     meta = json_rows({"reward_source": _sources(s), "rollout_reward": s.column("rollout_reward"),
                       "num_turns": s.column("num_turns"), "rollout_status": status})
     return {
         **_ids(s),
         "index": s.column("group_index"),
-        "prompt": [t or "" for t in s.column("prompt_text")],
+        "prompt": _or(s.column("prompt_text"), ""),
         "label": _labels(s),
         "tokens": slices(arr["token_ids"], s.start, s.end, f.field("tokens").type),
-        "response_length": (s.end - s.prompt_end).tolist(),
+        "response_length": pa.array((s.end - s.prompt_end).astype(np.int32)),
         "loss_mask": slices(arr["loss_mask"], s.prompt_end, s.end, f.field("loss_mask").type),
         "rollout_log_probs": slices(arr["logprobs"], s.prompt_end, s.end, f.field("rollout_log_probs").type),
         "reward": s.column("reward"),
         "advantage": s.column("advantage"),
-        "status": [_SLIME_STATUS.get(st, "aborted") for st in status],
+        "status": slime_status,
         "weight_versions": span_versions(s, s.prompt_end).cast(f.field("weight_versions").type),
-        "metadata": json_column(meta),
+        "metadata": meta,
     }
 
 
@@ -353,9 +379,9 @@ def _full(chunk: Chunk) -> dict[str, Any]:
     f, cols = SCHEMAS["full"], chunk.columns
     offsets = chunk.offsets.astype(np.int32)
     out: dict[str, Any] = {name: cols[name] for name in f.names if name in cols}
-    out["reward_source"] = [str(v or "rollout") for v in cols["reward_source"]]
+    out["reward_source"] = _or(cols["reward_source"], "rollout")
     for name in ("task", "drifts"):  # JSON (text_column leaves a task that is a plain string as it is)
-        out[name] = text_column(cols[name], f.field(name).type)
+        out[name] = text_column(chunk.json[name], f.field(name).type)
     for name in ("token_ids", "loss_mask", "logprobs", "weight_versions"):
         out[name] = _list(chunk.arrays[name], offsets, f.field(name).type)
     base = chunk.offsets[:-1]
@@ -382,7 +408,7 @@ def table(chunk: Chunk, shape: str, unit: Unit = Unit.SEGMENT) -> pa.Table:
     for field in schema:
         v = values[field.name]
         if isinstance(v, pa.Array):
-            columns.append(v)
+            columns.append(v if v.type == field.type else v.cast(field.type))
         else:
             columns.append(pa.array(v, type=field.type))
     return pa.Table.from_arrays(columns, schema=schema)
