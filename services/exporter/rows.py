@@ -93,16 +93,24 @@ def rebuild_flat(lengths: np.ndarray, ranges: Sequence[Sequence[Sequence[int]]],
     return mask_and_versions(int(np.sum(lengths)), *flat_ranges(lengths, ranges, versions))
 
 
+def runs(total: int, lo: np.ndarray, hi: np.ndarray, inside: Any, outside: Any, dtype: Any) -> np.ndarray:
+    """``total`` values: ``inside`` (one value, or one per span) on each ``[lo[k], hi[k])``, ``outside``
+    elsewhere; the spans sorted and disjoint (``_spans`` checks it). One ``np.repeat`` of the alternating runs:
+    no index array per position."""
+    k = len(lo)
+    lengths = np.empty(2 * k + 1, np.int64)
+    lengths[0:-1:2] = lo - np.concatenate(([0], hi[:-1]))
+    lengths[1::2] = hi - lo
+    lengths[-1] = total - (int(hi[-1]) if k else 0)
+    values = np.empty(2 * k + 1, dtype)
+    values[0::2] = outside
+    values[1::2] = inside
+    return np.repeat(values, lengths)
+
+
 def mask_and_versions(total: int, lo: np.ndarray, hi: np.ndarray, vers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``rebuild_flat`` from ``flat_ranges``."""
-    spans = hi - lo
-    count = int(spans.sum())
-    at = np.repeat(lo - (np.cumsum(spans) - spans), spans) + np.arange(count, dtype=np.int64)
-    mask = np.zeros(total, np.int32)
-    wv = np.full(total, -1, np.int32)
-    mask[at] = 1
-    wv[at] = np.repeat(vers, spans)
-    return mask, wv
+    return runs(total, lo, hi, 1, 0, np.int32), runs(total, lo, hi, vers, -1, np.int32)
 
 
 def rebuild_sampled(lengths: Sequence[int], ranges: Sequence[Sequence[Sequence[int]]],
@@ -131,6 +139,26 @@ class Spans:
     hi: np.ndarray
     offsets: np.ndarray
     versions: np.ndarray | None = None
+
+
+class _Arrays(dict[str, np.ndarray]):
+    """A chunk's per-token arrays: ``loss_mask`` and ``weight_versions`` are rebuilt from the action ranges when
+    first asked for (a record shape that needs neither never builds them)."""
+
+    def __init__(self, given: dict[str, np.ndarray], total: int, ranges: Spans) -> None:
+        super().__init__(given)
+        self._total, self._ranges = total, ranges
+
+    def __missing__(self, name: str) -> np.ndarray:
+        lo, hi = self._ranges.lo, self._ranges.hi
+        if name == "loss_mask":
+            got = runs(self._total, lo, hi, 1, 0, np.int32)
+        elif name == "weight_versions":
+            got = runs(self._total, lo, hi, self._ranges.versions, -1, np.int32)
+        else:
+            raise KeyError(name)
+        self[name] = got
+        return got
 
 
 @dataclass(eq=False)
@@ -175,7 +203,7 @@ class Chunk(Sequence[dict[str, Any]]):
             raise IndexError(i)
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         row = {name: self.values(name)[i] for name in (*self.columns, *self.json)}
-        row.update({name: arr[a:b] for name, arr in self.arrays.items()})
+        row.update({name: self.arrays[name][a:b] for name in ARRAYS})
         r0, r1 = int(self.ranges.offsets[i]), int(self.ranges.offsets[i + 1])
         row["action_ranges"] = (np.stack([self.ranges.lo[r0:r1], self.ranges.hi[r0:r1]], axis=1) - a).tolist()
         assert self.ranges.versions is not None
@@ -205,7 +233,7 @@ class Chunk(Sequence[dict[str, Any]]):
         two flat sampled arrays (``lengths`` per row), its action ranges (k x 2, relative to their row;
         ``range_counts`` per row) with one weight version each (-1: none), and its segments (m x 2,
         ``segment_counts`` per row; a row without any gets one covering it): the ranges and segments are checked,
-        ``loss_mask`` and ``weight_versions`` rebuilt."""
+        ``loss_mask`` and ``weight_versions`` rebuilt (when first used)."""
         n = len(lengths)
         if len(token_ids) != len(logprobs) or int(np.sum(lengths)) != len(token_ids):
             raise SchemaError("token_ids and logprobs of a trajectory differ in length")
@@ -222,13 +250,12 @@ class Chunk(Sequence[dict[str, Any]]):
             segment_counts = np.maximum(segment_counts, 1)
         seg_lo, seg_hi = _spans(lengths, segments, segment_counts, "segments")
         vers = versions.astype(np.int32)
-        mask, wv = mask_and_versions(len(token_ids), lo, hi, vers)
         arrow = {name: col if isinstance(col, pa.Array) else pa.array(list(col))
                  for name, col in columns.items() if name not in JSON_FIELDS}
         json = {name: list(col) for name, col in columns.items() if name in JSON_FIELDS}
-        return cls(arrow, json, {"token_ids": token_ids, "loss_mask": mask, "logprobs": logprobs,
-                                 "weight_versions": wv}, offsets(lengths), Spans(lo, hi, offsets(range_counts), vers),
-                   Spans(seg_lo, seg_hi, offsets(segment_counts)))
+        spans = Spans(lo, hi, offsets(range_counts), vers)
+        return cls(arrow, json, _Arrays({"token_ids": token_ids, "logprobs": logprobs}, len(token_ids), spans),
+                   offsets(lengths), spans, Spans(seg_lo, seg_hi, offsets(segment_counts)))
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> Chunk:

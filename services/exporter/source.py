@@ -156,18 +156,30 @@ def _pairs(col: pa.Array, what: str) -> tuple[np.ndarray, np.ndarray]:
     return values, counts
 
 
+def _parsed(texts: list[str | None]) -> list[Any]:
+    """JSON texts parsed, each distinct text once (a group's members repeat their task): rows with the same text
+    share one value, which readers must not change."""
+    memo: dict[str | None, Any] = {None: None}
+    out = []
+    for t in texts:
+        v = memo.get(t, memo)
+        if v is memo:
+            v = memo[t] = orjson.loads(t)  # type: ignore[arg-type]
+        out.append(v)
+    return out
+
+
 def arrow_chunk(batch: pa.RecordBatch, names: tuple[str, ...], reward_source: str) -> Chunk:
     """A ``Chunk`` of a batch of ``stream_query`` rows (``KEY_COLUMNS``, then the fields ``names``), column by
     column: packed arrays read in place, ``int4[]`` spans flattened, scalar fields kept as Arrow arrays, jsonb
-    parsed."""
+    parsed (``_parsed``)."""
     columns: dict[str, Any] = {}
     for name in (*KEY_COLUMNS, *names):
         if name in PACKED_FIELDS or name in PAIR_FIELDS:
             continue
         col = batch.column(name)
         if name in JSON_FIELDS:
-            texts = (col.storage if isinstance(col, pa.ExtensionArray) else col).to_pylist()
-            columns[name] = [None if t is None else orjson.loads(t) for t in texts]
+            columns[name] = _parsed((col.storage if isinstance(col, pa.ExtensionArray) else col).to_pylist())
         else:
             columns[name] = col
     columns["reward_source"] = pa.array([reward_source] * batch.num_rows, pa.string())

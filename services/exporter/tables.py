@@ -18,13 +18,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollout_ledger.services.exporter.records import _SLIME_STATUS, SCHEMAS, Unit
-from rollout_ledger.services.exporter.rows import Chunk, offsets
+from rollout_ledger.services.exporter.rows import Chunk, offsets, runs
 
 
 def _json_text(v: Any) -> Any:
     if isinstance(v, dict | list):
         return orjson.dumps(v, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
     return v
+
+
+def _numpy_type(typ: pa.DataType) -> np.dtype[Any]:
+    """The numpy dtype of a numeric Arrow type (``DataType.to_pandas_dtype`` looks for pandas on every call)."""
+    return np.dtype(("f" if pa.types.is_floating(typ) else "i") + str(typ.bit_width // 8))
 
 
 def _list_column(values: Sequence[Any], typ: pa.ListType) -> pa.Array:
@@ -35,14 +40,16 @@ def _list_column(values: Sequence[Any], typ: pa.ListType) -> pa.Array:
     lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
     offsets = np.zeros(len(values) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate(values).astype(value_type.to_pandas_dtype(), copy=False)
+    flat = np.concatenate(values).astype(_numpy_type(value_type), copy=False)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
 
 
 def text_column(values: Sequence[Any], typ: pa.DataType) -> pa.Array:
     """A string column; when any value is a dict or list, those values become JSON text (sorted keys)."""
     if any(isinstance(v, dict | list) for v in values):
-        return pa.array([_json_text(v) for v in values], type=typ)
+        memo: dict[int, str] = {}  # by identity: a value shared by rows is dumped once (source._parsed)
+        return pa.array([memo[id(v)] if id(v) in memo else memo.setdefault(id(v), _json_text(v)) for v in values],
+                        type=typ)
     return pa.array(values, type=typ)
 
 
@@ -120,7 +127,7 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 def _list(values: np.ndarray, offsets: np.ndarray, typ: pa.DataType) -> pa.Array:
     value_type = typ.value_type
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(
-        values.astype(value_type.to_pandas_dtype(), copy=False), type=value_type))
+        values.astype(_numpy_type(value_type), copy=False), type=value_type))
 
 
 def slices(flat: np.ndarray, lo: np.ndarray, hi: np.ndarray, typ: pa.DataType) -> pa.Array:
@@ -132,6 +139,8 @@ def slices(flat: np.ndarray, lo: np.ndarray, hi: np.ndarray, typ: pa.DataType) -
         values = flat[:0]
     elif np.array_equal(lo[1:], hi[:-1]):
         values = flat[int(lo[0]):int(hi[-1])]
+    elif np.all(lo[1:] >= hi[:-1]):  # disjoint and in order: keep those positions
+        values = flat[runs(len(flat), lo, hi, True, False, np.bool_)]
     else:
         values = flat[np.repeat(lo - offsets[:-1], lengths) + np.arange(total, dtype=np.int64)]
     return _list(values, offsets, typ)
@@ -247,7 +256,9 @@ def _pylist(values: Sequence[Any] | pa.Array, at: np.ndarray | None = None) -> l
 
 
 def _labels(s: Samples) -> list[str]:
-    per_row = [orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode() for t in s.chunk.json["task"]]
+    memo: dict[int, str] = {}  # by identity: rows with the same task text share its value (source._parsed)
+    per_row = [memo.get(id(t)) or memo.setdefault(id(t), orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode())
+               for t in s.chunk.json["task"]]
     return per_row if s._one_each else [per_row[i] for i in s.rows.tolist()]
 
 
@@ -257,10 +268,16 @@ def _ids(s: Samples) -> dict[str, Any]:
             "sample_index": s.index, "num_samples": s.count}
 
 
+def _text(value: str) -> pa.Scalar:
+    """A string scalar for a compute function (given a Python str, pyarrow looks for pandas on every call)."""
+    return pa.scalar(value, pa.string())
+
+
 def _or(col: pa.Array, default: str) -> pa.Array:
     """``v or default`` for every value of a string column (null and empty become ``default``)."""
     col = col.cast(pa.string())
-    return pc.if_else(pc.fill_null(pc.equal(col, ""), True), pa.scalar(default), col)
+    empty = pc.fill_null(pc.equal(col, _text("")), pa.scalar(True, pa.bool_()))
+    return pc.if_else(empty, _text(default), col)
 
 
 def _sources(s: Samples) -> pa.Array:
@@ -310,7 +327,7 @@ def _openrlhf(s: Samples) -> dict[str, Any]:
         "observation_tokens": slices(arr["token_ids"], s.start, s.end, f.field("observation_tokens").type),
         "action_ranges": actions,
         "rollout_log_probs": slices(arr["logprobs"], s.start, s.end, f.field("rollout_log_probs").type),
-        "truncated": pc.fill_null(pc.equal(s.column("status"), "truncated"), False),
+        "truncated": pc.fill_null(pc.equal(s.column("status"), _text("truncated")), pa.scalar(False, pa.bool_())),
         "reward": reward,
         "advantage": advantage,
         "scores": json_rows({"reward": reward, "advantage": advantage}),
@@ -322,8 +339,8 @@ def _openrlhf(s: Samples) -> dict[str, Any]:
 def _slime(s: Samples) -> dict[str, Any]:
     arr, f = s.chunk.arrays, SCHEMAS["slime"]
     status = s.column("status")
-    slime_status = pc.fill_null(pa.array(list(_SLIME_STATUS.values())).take(
-        pc.index_in(status, value_set=pa.array(list(_SLIME_STATUS)))), "aborted")
+    slime_status = pc.fill_null(pa.array(list(_SLIME_STATUS.values()), pa.string()).take(
+        pc.index_in(status, value_set=pa.array(list(_SLIME_STATUS), pa.string()))), _text("aborted"))
     meta = json_rows({"reward_source": _sources(s), "rollout_reward": s.column("rollout_reward"),
                       "num_turns": s.column("num_turns"), "rollout_status": status})
     return {

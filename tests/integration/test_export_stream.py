@@ -5,14 +5,17 @@ during the read does not leak in."""
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import time
 
 import numpy as np
 import pytest
 
 from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
-from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import connect, fetch, stream
+from rollout_ledger.services.exporter.selection import Selection, stream_query
+from rollout_ledger.services.exporter.source import _rendered, connect, fetch, stream
+from rollout_ledger.shared.errors import StoreError
 from tests.integration.export_data import Traj, run, seed_batch
 
 
@@ -84,3 +87,30 @@ def test_a_consumer_that_stops_early_releases_the_connection(database_url: str, 
     while run(database_url, query) != [(0,)] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert run(database_url, query) == [(0,)]
+
+
+def test_the_token_arrays_are_fetched_by_address_after_the_keys_are_ordered(database_url: str,
+                                                                           seeded: list[str]) -> None:
+    # late materialisation: whatever plan Postgres picks for the filters, only narrow keys are sorted and each
+    # wide row is fetched by its ctid in a nested loop that keeps the keys' order (no sort above it)
+    for sel in (Selection(), Selection(batch_ids=("s",), complete_groups=True, drop_uniform=True)):
+        query, params, _ = stream_query(sel, None)
+        plan = run(database_url, "EXPLAIN (FORMAT JSON) " + _rendered(query, params))[0][0][0]["Plan"]
+        assert plan["Node Type"] == "Nested Loop", plan["Node Type"]
+        inner = json.dumps(plan["Plans"][1])
+        assert '"Tid Scan"' in inner and '"Sort"' not in inner
+
+
+def test_parameters_are_rendered_as_quoted_literals(database_url: str, seeded: list[str]) -> None:
+    # ADBC streams through COPY, which takes no bound parameters: values are quoted by psycopg into the query
+    now = dt.datetime.now(dt.UTC)
+    sel = Selection(batch_ids=("s", "it's; DROP TABLE trajectories; --"), since=now - dt.timedelta(days=1),
+                    until=now + dt.timedelta(days=1), reward_min=-1e308)
+    got = [r["episode_id"] for c in stream(database_url, sel) for r in c]
+    assert sorted(got) == sorted(seeded)
+    assert [r["episode_id"] for c in stream(database_url, Selection(batch_ids=("it's",))) for r in c] == []
+
+
+def test_an_unreachable_store_is_a_store_error() -> None:
+    with pytest.raises(StoreError, match="cannot connect to Postgres"):
+        list(stream("postgresql://nobody@127.0.0.1:1/none", Selection()))
