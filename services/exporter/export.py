@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rollout_ledger.services.exporter.records import FIELDS, FORMATS, Unit
 from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import stream
+from rollout_ledger.services.exporter.source import CHUNK, stream
 from rollout_ledger.services.exporter.writers import FILE_TYPES, ROW_GROUP_BYTES, write_file
 
 FILE_FORMATS = FILE_TYPES
@@ -34,7 +34,7 @@ def shape_and_file_type(fmt: str, file_type: str | None) -> tuple[str, str]:
 
 
 def export(database_url: str, sel: Selection, path: Path, fmt: str = "openrlhf", file_type: str | None = None,
-           unit: Unit = Unit.SEGMENT, chunk: int = 500, row_group_bytes: int = ROW_GROUP_BYTES) -> ExportResult:
+           unit: Unit = Unit.SEGMENT, chunk: int = CHUNK, row_group_bytes: int = ROW_GROUP_BYTES) -> ExportResult:
     """Write every selected trajectory as ``fmt`` records to ``path`` (atomically; memory bounded by ``chunk``
     and ``row_group_bytes``)."""
     shape, ft = shape_and_file_type(fmt, file_type)
@@ -44,7 +44,7 @@ def export(database_url: str, sel: Selection, path: Path, fmt: str = "openrlhf",
 
 
 def export_batch(database_url: str, batch_id: str, out_dir: Path, file_format: str = "jsonl",
-                 chunk: int = 500, fmt: str = "openrlhf") -> ExportResult:
+                 chunk: int = CHUNK, fmt: str = "openrlhf") -> ExportResult:
     """One batch as ``fmt`` records in ``out_dir/<batch_id>.<file_format>`` (what `rollout demo` writes)."""
     if file_format not in FILE_TYPES:
         raise ValueError(f"unknown file type {file_format!r}; known: {', '.join(FILE_TYPES)}")

@@ -15,8 +15,9 @@ class ExporterSettings(BaseServiceSettings):
     ``DATABASE_URL``. `rollout rescore` writes scores and always uses ``DATABASE_URL``."""
     export_batch_size: int = Field(256, ge=1, le=100_000)
     """Feed entries per consumer read (`--consumer`): bounds a delivery file and the reader's memory."""
-    export_chunk: int = Field(500, ge=1, le=100_000)
-    """Rows fetched per round trip by a one-shot export (memory is bounded by this, not by the export's size)."""
+    export_chunk: int = Field(2000, ge=1, le=100_000)
+    """Rows a one-shot export maps and writes at a time (at most what the driver decodes in one ~4 MiB batch):
+    memory is bounded by this and the row group, not by the export's size."""
     export_row_group_mb: int = Field(32, ge=1, le=4096)
     """Parquet row group size of a one-shot export, in MiB of Arrow data (memory holds about three groups)."""
     export_poll_s: float = Field(1.0, gt=0)

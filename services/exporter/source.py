@@ -36,6 +36,9 @@ from rollout_ledger.shared.settings import normalize_database_url
 
 BATCH_BYTES = 4 << 20
 """About how many bytes of rows the driver decodes into one Arrow batch (then cut into chunks)."""
+CHUNK = 2000
+"""Rows per chunk of a one-shot export by default (``ROLLOUT_EXPORT_CHUNK``): per-chunk work is a few dozen numpy
+and Arrow calls, which cost as much as the rows' own at 500 rows."""
 
 
 def libpq_url(database_url: str) -> str:
@@ -200,7 +203,7 @@ def arrow_chunk(batch: pa.RecordBatch, names: tuple[str, ...], reward_source: st
 _DONE = object()
 
 
-def stream(database_url: str, sel: Selection, chunk: int = 500,
+def stream(database_url: str, sel: Selection, chunk: int = CHUNK,
            fields: Collection[str] | None = None) -> Iterator[Chunk]:
     """Selected rows in chunks of at most ``chunk``: ``selection.stream_query`` (one statement, one snapshot), in
     export order.
