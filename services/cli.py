@@ -194,8 +194,6 @@ def export_cmd(
     database_url: str = typer.Option(None, help="Postgres DSN (default: ROLLOUT_EXPORT_DATABASE_URL, DATABASE_URL)"),
 ) -> None:
     """Export trajectories for a trainer: one file, or a consumer's stream of new ones (--consumer, --follow)."""
-    import signal
-    import threading
     from pathlib import Path
 
     from rollout_ledger.services.exporter.export import export, shape_and_file_type
@@ -219,22 +217,14 @@ def export_cmd(
                         row_group_bytes=settings.export_row_group_mb << 20)
         typer.echo(f"{result.records} records -> {result.path}")
         return
-    from rollout_ledger.services.exporter.follow import Follower
+    from rollout_ledger.services.exporter.follow import follow_consumer
     from rollout_ledger.shared.errors import RolloutError
     from rollout_ledger.shared.logging import configure_logging
 
     configure_logging(settings.log_level, settings.log_format, service="exporter")
-
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        follower = Follower(url, consumer, sel, Path(out), fmt, file_type, the_unit, settings.export_batch_size,
-                            start)
-        try:
-            res = follower.run(follow, stop, settings.export_poll_s, echo=typer.echo)
-        finally:
-            follower.close()
+        res = follow_consumer(settings, url, consumer, sel, Path(out), fmt, file_type, the_unit, start, follow,
+                              echo=typer.echo)
     except RolloutError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

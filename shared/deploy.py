@@ -99,7 +99,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("exporter", ("export", "--consumer", EXPORT_CONSUMER, "--follow", "--format", "openrlhf",
                               "--file-type", "parquet", "--out", f"{EXPORTS_DIR}/{EXPORT_CONSUMER}"),
                  _SETTINGS.format(pkg="exporter", cls="ExporterSettings"), SERVICE_IMAGE,
-                 frozenset({"DATABASE_URL"}), serves_http=False),
+                 frozenset({"DATABASE_URL", "ROLLOUT_HTTP_PORT"})),
         Workload("export-batches", ("/etc/rollout/export_finished.py", EXPORTS_DIR, "parquet"),
                  "rollout_ledger.shared.settings:BaseServiceSettings", SERVICE_IMAGE, frozenset({"DATABASE_URL"}),
                  serves_http=False, command=("python",)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,16 +26,22 @@ log = get_logger(__name__)
 
 @dataclass
 class Health:
-    """Liveness is the process answering; readiness is ``ready`` and every check returning True."""
+    """Liveness is the process answering and every ``live`` check returning True (a service whose work loop can
+    hang says so there); readiness is ``ready`` and every check returning True."""
 
     ready: bool = False
     checks: dict[str, Callable[[], bool]] = field(default_factory=dict)
     draining: bool = False
+    live: dict[str, Callable[[], bool]] = field(default_factory=dict)
 
     def status(self) -> tuple[bool, dict[str, bool]]:
         results = {name: bool(check()) for name, check in self.checks.items()}
         ok = self.ready and not self.draining and all(results.values())
         return ok, results
+
+    def liveness(self) -> tuple[bool, dict[str, bool]]:
+        results = {name: bool(check()) for name, check in self.live.items()}
+        return all(results.values()), results
 
 
 def ops_app(service: str, health: Health, registry: CollectorRegistry, app: FastAPI | None = None) -> FastAPI:
@@ -42,9 +49,13 @@ def ops_app(service: str, health: Health, registry: CollectorRegistry, app: Fast
     app = app or FastAPI(title=f"rollout-ledger {service}", docs_url=None, redoc_url=None)
 
     @app.get(LIVENESS_PATH, include_in_schema=False)
-    async def healthz() -> dict[str, Any]:
+    async def healthz(response: Response) -> dict[str, Any]:
         ok, checks = health.status()
-        return {"service": service, "alive": True, "ready": ok, "draining": health.draining, "checks": checks}
+        alive, live = health.liveness()
+        if not alive:
+            response.status_code = 503
+        return {"service": service, "alive": alive, "ready": ok, "draining": health.draining, "checks": checks,
+                **({"live": live} if live else {})}
 
     @app.get(READINESS_PATH, include_in_schema=False)
     async def readyz(response: Response) -> dict[str, Any]:
@@ -99,6 +110,32 @@ class HttpServer:
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, timeout=10)
+
+
+class BackgroundHttpServer:
+    """An ``HttpServer`` on its own event loop in a daemon thread, for a service whose work loop is synchronous
+    (``rollout export --follow``): ``start`` returns once it listens, ``stop`` ends it."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self._http = HttpServer(app, host, port)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rl-http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self._http.port
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._http.start(), self._loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._http.stop(), self._loop).result(15)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
 
 
 class Shutdown:

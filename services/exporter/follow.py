@@ -10,7 +10,9 @@ So every trajectory lands in exactly one file of the consumer's output directory
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +24,13 @@ import structlog
 
 from rollout_ledger.services.exporter.cursor import Cursors, Position, Read
 from rollout_ledger.services.exporter.export import shape_and_file_type
+from rollout_ledger.services.exporter.metrics import ExportMetrics
 from rollout_ledger.services.exporter.records import Unit
 from rollout_ledger.services.exporter.rows import Chunk
 from rollout_ledger.services.exporter.selection import Selection
+from rollout_ledger.services.exporter.settings import ExporterSettings
 from rollout_ledger.services.exporter.writers import AtomicWriter
+from rollout_ledger.shared.runtime import BackgroundHttpServer, Health, ops_app
 
 log = structlog.get_logger("rollout.exporter")
 
@@ -52,8 +57,11 @@ class Follower:
 
     def __init__(self, database_url: str, consumer: str, sel: Selection, out_dir: Path, fmt: str = "openrlhf",
                  file_type: str | None = None, unit: Unit = Unit.SEGMENT, batch_size: int = 256,
-                 start: str = "earliest") -> None:
+                 start: str = "earliest", metrics: ExportMetrics | None = None) -> None:
         self.shape, self.ext = shape_and_file_type(fmt, file_type)
+        self.metrics = metrics
+        self.last_step = time.monotonic()
+        """When the last read (or the start) finished: a liveness check compares it with the clock."""
         self.fmt = fmt
         self.sel = sel
         self.out_dir = out_dir
@@ -81,14 +89,36 @@ class Follower:
             self.cursors.advance(Read(state.position, end, 0, Chunk.empty(), state.deliveries), count, delivery=True,
                                  sel=self.sel)
         log.info("export_recovered", consumer=self.cursors.consumer, file=str(found[0]), records=count)
+        self._count("recovered", count)
         return True
+
+    def _count(self, outcome: str, records: int = 0) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.reads.labels(self.cursors.consumer, outcome).inc()
+        if outcome in ("delivered", "recovered"):
+            m.deliveries.inc()
+            m.records.inc(records)
+            m.last_delivery.set_to_current_time()
 
     def step(self, before_commit: Callable[[Path], None] | None = None) -> tuple[Path | None, int] | None:
         """One read: None when nothing is new; else (file or None when nothing was selected, records)."""
+        t0 = time.monotonic()
+        try:
+            return self._step(before_commit)
+        finally:
+            self.last_step = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.read_seconds.observe(self.last_step - t0)
+                self.metrics.last_step.set_to_current_time()
+
+    def _step(self, before_commit: Callable[[Path], None] | None) -> tuple[Path | None, int] | None:
         self.recover()
         with self.conn.transaction():
             read = self.cursors.read(self.sel, self.batch_size)
             if read is None:
+                self._count("empty")
                 return None
             path = delivery_path(self.out_dir, self.cursors.consumer, read.deliveries + 1, read.end, self.ext)
             writer = AtomicWriter(path, self.ext, self.shape, self.unit)
@@ -106,6 +136,7 @@ class Follower:
                 raise
             self.cursors.advance(read, count, delivery=count > 0, sel=self.sel)
         delivered = path if count else None
+        self._count("delivered" if count else "nothing_selected", count)
         log.info("export_delivered", consumer=self.cursors.consumer, entries=read.entries, records=count,
                  file=str(delivered) if delivered else None, position=str(read.end))
         return delivered, count
@@ -128,3 +159,39 @@ class Follower:
                 if echo:
                     echo(f"{count} records -> {path}")
         return result
+
+
+def follow_consumer(settings: ExporterSettings, database_url: str, consumer: str, sel: Selection, out_dir: Path,
+                    fmt: str, file_type: str | None, unit: Unit, start: str, follow: bool,
+                    echo: Callable[[str], None] | None = None) -> FollowResult:
+    """`rollout export --consumer NAME [--follow]` as a process: SIGTERM/SIGINT finish the current read and stop.
+
+    Following with ``ROLLOUT_HTTP_PORT`` set (the Deployment sets it), the process serves ``/healthz`` (503 once
+    no read has finished for ``ROLLOUT_EXPORT_STALL_S``: a hung read restarts the pod), ``/readyz`` (200 once the
+    cursor is open, 503 while draining) and ``/metrics`` (``metrics.ExportMetrics``); the HTTP server stops last.
+    """
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    serve = follow and "http_port" in settings.model_fields_set
+    metrics = ExportMetrics.create(consumer) if serve else None
+    health = Health()
+    server: BackgroundHttpServer | None = None
+    if metrics is not None:
+        server = BackgroundHttpServer(ops_app("exporter", health, metrics.registry), settings.http_host,
+                                      settings.http_port)
+        server.start()
+        log.info("export_http", consumer=consumer, port=server.port)
+    try:
+        follower = Follower(database_url, consumer, sel, out_dir, fmt, file_type, unit, settings.export_batch_size,
+                            start, metrics)
+        health.live["reading"] = lambda: time.monotonic() - follower.last_step < settings.export_stall_s
+        health.ready = True
+        try:
+            return follower.run(follow, stop, settings.export_poll_s, echo=echo)
+        finally:
+            health.draining = True
+            follower.close()
+    finally:
+        if server is not None:
+            server.stop()

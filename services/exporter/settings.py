@@ -22,6 +22,9 @@ class ExporterSettings(BaseServiceSettings):
     """Parquet row group size of a one-shot export, in MiB of Arrow data (memory holds about three groups)."""
     export_poll_s: float = Field(1.0, gt=0)
     """With `--follow`, how long to wait before reading again when nothing was new."""
+    export_stall_s: float = Field(300.0, gt=0)
+    """With `--follow` and ``ROLLOUT_HTTP_PORT`` set, ``/healthz`` answers 503 once no read has finished for this
+    long (a hung read or connection: the kubelet restarts the pod)."""
 
     @field_validator("export_database_url")
     @classmethod

@@ -12,11 +12,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import create_engine, insert
 from sqlalchemy.engine import make_url
 
 from rollout_ledger.migrations.runner import sync_url
+from rollout_ledger.services.localinfra import free_port
 from rollout_ledger.shared import deploy
 from rollout_ledger.shared.db import batches, episodes
 from rollout_ledger.shared.errors import RolloutError
@@ -110,13 +112,19 @@ def test_exporter_deployment_command_one_reader_and_sigterm(database_url: str, t
     out = tmp_path / deploy.EXPORT_CONSUMER
     args[args.index("--out") + 1] = str(out)
     cmd = [sys.executable, "-m", "rollout_ledger.services.cli", *args]
-    env = dict(os.environ, DATABASE_URL=database_url, ROLLOUT_EXPORT_POLL_S="0.05", ROLLOUT_LOG_FORMAT="json")
+    env = dict(os.environ, DATABASE_URL=database_url, ROLLOUT_EXPORT_POLL_S="0.05", ROLLOUT_LOG_FORMAT="json",
+               ROLLOUT_HTTP_HOST="127.0.0.1")  # each pod has its own port 8000: here, a free port each
+    port = free_port()
     seed_batch(database_url, "k8s", [[Traj(), Traj()]])
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(cmd, env={**env, "ROLLOUT_HTTP_PORT": str(port)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: len(list(out.glob(f"{deploy.EXPORT_CONSUMER}.*.parquet"))) == 1, 60, "a delivery file")
         wait_for(lambda: consumer_claimed(database_url, deploy.EXPORT_CONSUMER), 30, "the consumer's lock")
-        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+        ready = httpx.get(f"http://127.0.0.1:{port}{deploy.READINESS_PATH}", timeout=5)
+        assert ready.status_code == 200, ready.text
+        second = subprocess.run(cmd, env={**env, "ROLLOUT_HTTP_PORT": str(free_port())}, capture_output=True,
+                                text=True, timeout=60, check=False)
         assert second.returncode == 1
         assert f"consumer '{deploy.EXPORT_CONSUMER}' is being read by another process" in second.stderr
         first.send_signal(signal.SIGTERM)

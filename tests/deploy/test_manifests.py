@@ -26,6 +26,8 @@ from tests.deploy.manifests import (
 )
 
 SERVICES = [w for w in deploy.WORKLOADS.values() if w.serves_http]
+BUS_SERVICES = [w for w in SERVICES if w.uses_nats]
+"""The services on the bus (the exporter serves HTTP but reads only Postgres)."""
 SECRET_EXAMPLE = K8S / "overlays" / "prod" / "secret.example.yaml"
 
 
@@ -116,7 +118,8 @@ def test_setting_values_parse(rendered: Rendered, monkeypatch: pytest.MonkeyPatc
                 m.setenv(name, value if value is not None else _stand_in(name))
             settings = cls()
         assert settings.http_port == deploy.HTTP_PORT
-        assert settings.model == deploy.MODEL_DIR
+        if "ROLLOUT_MODEL" in workload.required_env:
+            assert settings.model == deploy.MODEL_DIR
 
 
 def _stand_in(name: str) -> str:
@@ -238,14 +241,14 @@ def test_nats_config_fits_the_streams(rendered: Rendered) -> None:
                      "monitor": deploy.NATS_MONITOR_PORT}
     svc = {p["name"]: p["port"] for p in rendered.get("Service", "nats")["spec"]["ports"]}
     assert svc["client"] == deploy.NATS_CLIENT_PORT
-    for workload in SERVICES:
+    for workload in BUS_SERVICES:
         url = rendered.container(workload.name).env["NATS_URL"]
         assert url == f"nats://nats:{deploy.NATS_CLIENT_PORT}", url
 
 
 def test_stream_replicas_match_the_nats_cluster(rendered: Rendered) -> None:
     servers = rendered.get("StatefulSet", "nats")["spec"]["replicas"]
-    replicas = {int(rendered.container(w.name).env["ROLLOUT_STREAM_REPLICAS"]) for w in SERVICES}
+    replicas = {int(rendered.container(w.name).env["ROLLOUT_STREAM_REPLICAS"]) for w in BUS_SERVICES}
     assert replicas == {1 if servers == 1 else 3}, f"{rendered.overlay}: {servers} servers, replicas {replicas}"
     conf = _nats_conf(rendered)
     routes = re.findall(r"nats://(nats-\d+)\.nats-headless:(\d+)", conf)
@@ -410,7 +413,6 @@ def test_pods_are_locked_down(rendered: Rendered) -> None:
             assert {"cpu", "memory"} <= set(resources[kind]), f"{c.workload}/{c.name}: {kind}"
         serves_http = c.workload not in deploy.WORKLOADS or deploy.WORKLOADS[c.workload].serves_http
         if not c.init and c.kind in ("Deployment", "StatefulSet") and serves_http:
-            # `rollout export --follow` (the exporter) serves no HTTP: it has no probes (see exporter.yaml)
             assert "livenessProbe" in c.spec and "readinessProbe" in c.spec, c.workload
     for c in rendered.containers():
         if c.workload in deploy.WORKLOADS:
