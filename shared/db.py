@@ -254,7 +254,9 @@ trajectory_feed = Table(
     Column("xid", BigInteger, nullable=False,
            comment="pg_current_xact_id() of the writing transaction: readers take only xid < snapshot xmin"),
     Column("episode_id", String(128), nullable=False),
-    Column("attempt", Integer, nullable=False, comment="the trajectory version this entry announces"),
+    Column("attempt", Integer, nullable=False,
+           comment="the trajectory version this entry announces; 0: its episode ended without a trajectory (a group "
+                   "marker)"),
     Column("group_id", String(160), nullable=False),
     Column("batch_id", String(128), nullable=False),
     Column("logged_at", DateTime(timezone=True), nullable=False, server_default=func.now()),

@@ -58,7 +58,8 @@ class Selection:
     max_staleness: int | None = None
     """Keep trajectories whose every sampled token came from a version in [V - k, V]."""
     complete_groups: bool = False
-    """Keep a group only when every episode of it is terminal and has a selected trajectory."""
+    """Keep a group only when every episode of it is terminal and every trajectory of it is selected (an episode
+    that ended without a trajectory does not hold its group back)."""
     drop_uniform: bool = False
     """Drop groups whose selected rewards are all equal (no learning signal for group baselines)."""
     reward: RewardChoice | None = None
@@ -225,7 +226,9 @@ def _filters(sel: Selection, scope: Scope | None = None) -> _Filters:
         params["scope_groups"] = list(scope.groups)
     final: list[str] = []
     if sel.complete_groups:
-        final.append("{members} = (SELECT count(*) FROM episodes ge WHERE ge.group_id = {group})")
+        # every stored trajectory of the group selected, and every episode ended: an episode that ended without a
+        # trajectory (failed before its first turn, cancelled) has nothing to train on and does not hold it back
+        final.append("{members} = (SELECT count(*) FROM trajectories gt WHERE gt.group_id = {group})")
         final.append("NOT EXISTS (SELECT 1 FROM episodes ge WHERE ge.group_id = {group} "
                      "AND NOT ge.status = ANY(%(terminal)s::text[]))")
         params["terminal"] = _TERMINAL_SQL

@@ -16,6 +16,7 @@ import pytest
 
 from rollout_ledger.services.exporter.api import CursorError, TrajectoryReader
 from rollout_ledger.services.exporter.follow import Follower
+from rollout_ledger.services.exporter.retention import prune
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import libpq_url
 from tests.helpers import wait_for
@@ -203,6 +204,38 @@ def test_complete_groups_are_delivered_once_when_complete(database_url: str) -> 
         assert table.column("advantage").to_pylist() == pytest.approx([2 ** -0.5, -(2 ** -0.5)], rel=1e-5)
         assert table.column("token_ids").to_pylist()[1] == list(template)
         assert reader.next_batch() is None
+
+
+def test_a_group_whose_last_member_ends_without_a_trajectory_is_delivered(database_url: str,
+                                                                          tmp_path: Path) -> None:
+    # the last member fails before producing a trajectory: the episode's end leaves a marker in the feed (migration
+    # 0007), the group is read again and is complete without it; a consumer of every trajectory gets nothing extra
+    seed_batch(database_url, "gm", [[Traj(reward=1.0), Traj(reward=0.0),
+                                     Traj(reward=None, status="running", with_trajectory=False)]])
+    every = Follower(database_url, "every", Selection(), tmp_path, "jsonl")
+    try:
+        with TrajectoryReader(database_url, "grouped", selection=Selection(complete_groups=True), fmt="full") as r:
+            assert r.next_batch() is None  # two members stored, the third still running: held
+            drain(every)
+            run(database_url, "UPDATE episodes SET status = 'failed', failure_class = 'env_error' "
+                "WHERE id = 'gm.0.2'")
+            markers = run(database_url, "SELECT episode_id, attempt FROM trajectory_feed WHERE attempt = 0")
+            assert markers == [("gm.0.2", 0)]
+            batch = r.next_batch()
+            assert batch is not None
+            assert batch.table.column("episode_id").to_pylist() == ["gm.0.0", "gm.0.1"]
+            assert batch.table.column("group_size").to_pylist() == [2, 2]
+            assert batch.table.column("advantage").to_pylist() == pytest.approx([2 ** -0.5, -(2 ** -0.5)],
+                                                                                rel=1e-5)
+            batch.ack()
+            assert r.next_batch() is None
+        assert every.step() == (None, 0)  # the marker: read, nothing selected, the cursor steps over it
+        assert every.step() is None
+        assert delivered(tmp_path) == [("gm.0.0", 1), ("gm.0.1", 1)]
+    finally:
+        every.close()
+    assert prune(database_url).dead >= 1  # every consumer passed the marker: it goes with the dead entries
+    assert run(database_url, "SELECT count(*) FROM trajectory_feed WHERE attempt = 0") == [(0,)]
 
 
 def test_a_new_consumer_can_start_at_the_latest(database_url: str, tmp_path: Path) -> None:
