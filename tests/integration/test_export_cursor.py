@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from rollout_ledger.services.exporter.api import CursorError, TrajectoryReader
+from rollout_ledger.services.exporter.cursor import KEEPALIVE, Cursors
 from rollout_ledger.services.exporter.follow import Follower
 from rollout_ledger.services.exporter.retention import prune
 from rollout_ledger.services.exporter.selection import Selection
@@ -112,6 +113,18 @@ def test_one_live_reader_per_consumer(database_url: str, tmp_path: Path) -> None
     Follower(database_url, "solo", Selection(), tmp_path, "jsonl").close()
     with pytest.raises(CursorError, match="must match"):
         Follower(database_url, "bad.name", Selection(), tmp_path, "jsonl")
+
+
+def test_a_consumer_session_has_short_tcp_keepalives(database_url: str) -> None:
+    # after a node loss Postgres must notice the dead session within seconds, or the consumer's advisory lock
+    # (one reader per consumer) keeps the replacement exporter out for the OS default of two hours
+    cursors = Cursors.open(database_url, "keepalive")
+    try:
+        got = dict(cursors.conn.execute("SELECT name, setting::int FROM pg_settings WHERE name = ANY(%s)",
+                                        (list(KEEPALIVE),)).fetchall())
+    finally:
+        cursors.conn.close()
+    assert got == KEEPALIVE == {"tcp_keepalives_idle": 10, "tcp_keepalives_interval": 5, "tcp_keepalives_count": 3}
 
 
 def test_killed_follow_process_delivers_everything_exactly_once(database_url: str, tmp_path: Path) -> None:
