@@ -88,7 +88,7 @@ class TrajectoryReader:
         self.close()
 
     def close(self) -> None:
-        self.conn.close()
+        self.cursors.close()
 
     def next_batch(self) -> Batch | None:
         """The next unacknowledged batch, or None when nothing new is readable."""

@@ -26,13 +26,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import adbc_driver_postgresql.dbapi as adbc
 import orjson
 import psycopg
 from psycopg import sql
 
 from rollout_ledger.services.exporter.rows import Chunk
 from rollout_ledger.services.exporter.selection import Scope, Selection
-from rollout_ledger.services.exporter.source import connect, fetch
+from rollout_ledger.services.exporter.source import connect, connect_arrow, fetch
 from rollout_ledger.shared.errors import RolloutError
 
 STARTS = ("earliest", "latest")
@@ -107,9 +108,18 @@ _LATER_IN_GROUP = (
 class Cursors:
     """A consumer's cursor on one connection (REPEATABLE READ, not autocommit; the caller owns transactions)."""
 
-    def __init__(self, conn: psycopg.Connection[Any], consumer: str) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], consumer: str, arrow: adbc.Connection) -> None:
         self.conn = conn
         self.consumer = check_consumer(consumer)
+        self.arrow = arrow
+        """Reads the rows, in the snapshot of ``conn``'s transaction (``source.fetch``)."""
+
+    def close(self) -> None:
+        """Close both connections (the consumer's advisory lock goes with ``conn``)."""
+        try:
+            self.arrow.close()
+        finally:
+            self.conn.close()
 
     @classmethod
     def open(cls, database_url: str, consumer: str, start: str = "earliest") -> Cursors:
@@ -121,10 +131,14 @@ class Cursors:
             with conn.transaction():
                 for name, value in KEEPALIVE.items():
                     conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name), value))
-            cursors = cls(conn, consumer)
-            cursors.claim(start)
+            cursors = cls(conn, consumer, connect_arrow(database_url))
         except BaseException:
             conn.close()
+            raise
+        try:
+            cursors.claim(start)
+        except BaseException:
+            cursors.close()
             raise
         return cursors
 
@@ -177,7 +191,7 @@ class Cursors:
             scope = Scope(groups=[g for g in groups if g not in later])
         else:
             scope = Scope(groups=groups, rows=[(e[2], int(e[3])) for e in entries])
-        rows = fetch(self.conn, sel, scope) if scope.groups else Chunk.empty()
+        rows = fetch(self.conn, self.arrow, sel, scope) if scope.groups else Chunk.empty()
         return Read(pos, end, len(entries), rows, state.deliveries)
 
     def advance(self, read: Read, records: int, *, delivery: bool, sel: Selection | None = None) -> None:

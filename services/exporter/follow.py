@@ -74,7 +74,7 @@ class Follower:
             stale.unlink()
 
     def close(self) -> None:
-        self.conn.close()
+        self.cursors.close()
 
     def recover(self) -> bool:
         """Advance the cursor over a file written before a crash and not yet committed; True if there was one."""

@@ -2,13 +2,13 @@
 numpy array with row offsets, action ranges and segments are flat ``Spans``; every other field is an Arrow array
 (one value per row; as read, without a Python object per value), JSON fields a list of Python values.
 
-Reading: ``selection.rows_query`` returns a chunk as one row of arrays, ``token_ids`` and ``logprobs`` as the
-concatenated packed little-endian copies (``trajectories.token_ids_le`` / ``logprobs_le``, migration 0005), read
-with ``numpy.frombuffer`` (no byte swap, no per-element work on either side; ``int4[]`` would cost the server one
-send call per element). ``loss_mask`` and ``weight_versions`` are not read at all: ``Chunk.build`` rebuilds them
-for the whole chunk from the action ranges and one weight version per range (``action_versions``), because
-``recorder/assembly.py`` writes ``loss_mask`` 1 exactly on the action ranges and 0 elsewhere, and
-``weight_versions`` the turn's version on its range and -1 elsewhere.
+Reading (``source.arrow_chunk``): ``token_ids`` and ``logprobs`` come as the packed little-endian copies
+(``trajectories.token_ids_le`` / ``logprobs_le``, migration 0005), read in place from the Arrow batch's buffer
+(no byte swap, no per-element work on either side; ``int4[]`` would cost the server one send call per element).
+``loss_mask`` and ``weight_versions`` are not read at all: ``Chunk.build`` rebuilds them for the whole chunk from
+the action ranges and one weight version per range (``action_versions``), because ``recorder/assembly.py``
+writes ``loss_mask`` 1 exactly on the action ranges and 0 elsewhere, and ``weight_versions`` the turn's version on
+its range and -1 elsewhere.
 
 A ``Chunk`` is also a sequence of row dicts (arrays as views into the flat arrays) for per-row code: the
 ``records.py`` mappers, JSONL, re-scoring. ``tables.py`` builds Arrow tables from the columns directly.

@@ -2,8 +2,8 @@
 
 Row filters (batch, env, status, reward range, time range, weight-version window) apply first; the group filters
 (complete groups only, drop groups whose rewards are all equal) and the group advantages are computed over the
-rows that passed them, with one ``GROUP BY group_id`` over keys only; the token arrays are read for the rows
-finally selected, in (group, episode) order, as packed little-endian bytes (``rows.py`` reads them).
+rows that passed them, over narrow keys only; the wide fields are fetched for the rows finally selected, in
+(group, episode) order, the token arrays as packed little-endian bytes (``stream_query``; ``source.py`` reads it).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rollout_ledger.services.exporter.advantages import AdvantageSpec
-from rollout_ledger.services.exporter.rows import JSON_FIELDS
 from rollout_ledger.shared.lifecycle import TERMINAL
 
 
@@ -96,7 +95,7 @@ class Scope:
 _TERMINAL_SQL = "{" + ",".join(sorted(str(s) for s in TERMINAL)) + "}"
 
 KEY_COLUMNS = ("episode_id", "attempt", "reward", "advantage", "group_size")
-"""What the selection query returns, in export order: the rows are read by ``rows_query`` chunk by chunk."""
+"""What ``stream_query`` returns first for each selected trajectory, before its row fields."""
 
 ROW_SQL = {
     "episode_id": "t.episode_id", "batch_id": "t.batch_id", "group_id": "t.group_id", "group_index": "e.group_index",
@@ -119,65 +118,24 @@ ALWAYS_READ = ("episode_id", "attempt", "token_ids", "logprobs", "range_versions
 
 
 PACKED_FIELDS = ("token_ids", "logprobs")
-"""Fields read as packed bytes: a chunk's values come concatenated, with each row's byte length."""
+"""Fields read as packed little-endian bytes (``bytea``)."""
 PAIR_FIELDS = ("action_ranges", "segments", "range_versions")
-"""Small per-row int arrays: in ``rows_query`` a chunk's values come as one comma-separated text (NULL as -1),
-with each row's number of values. ``JSON_FIELDS`` (jsonb) come there as one JSON array (``json_agg``: one text
-rendering per value, where an ``array_agg`` of jsonb costs the server a ``jsonb_send`` call and an array element
-per value, six times as much)."""
-
-
-def rows_query(fields: Collection[str] | None = None) -> tuple[str, tuple[str, ...]]:
-    """The query reading one chunk of selected episodes (``%(ids)s``, in export order) as ONE row: a column per
-    field holding the chunk's values in the ids' order (``array_agg``; packed bytes concatenated, small int arrays
-    as text, each with per-row lengths; jsonb as one JSON array), so the client turns a chunk into a few arrays
-    instead of one Python object per field and row. Returns the query and the fields: ``fields`` (all when None)
-    plus ``ALWAYS_READ``, each ``PACKED_FIELDS`` / ``PAIR_FIELDS`` entry taking two columns (values, per-row
-    lengths).
-
-    The rows reach the aggregates in the ids' order from a subquery sorted by the ids' position (``OFFSET 0``
-    keeps it a subquery; Postgres sorts the 500 positions before the index lookups): one sort per chunk where an
-    ``ORDER BY`` in each aggregate sorted every column on its own. A plain aggregate over a sorted subquery takes
-    the rows in that order (the read runs without parallel workers, ``SERIAL_READ``); ``source.assemble`` checks
-    the episode ids against the keys all the same.
-    """
-    wanted = set(ROW_COLUMNS if fields is None else fields) | set(ALWAYS_READ)
-    unknown = wanted - set(ROW_SQL)
-    if unknown:
-        raise ValueError(f"unknown row fields: {', '.join(sorted(unknown))}")
-    names = tuple(c for c in ROW_COLUMNS if c in wanted)
-    cols = []
-    for c in names:
-        if c in PACKED_FIELDS:
-            cols += [f"string_agg(s.{c}, ''::bytea)", f"array_agg(octet_length(s.{c}))"]
-        elif c in PAIR_FIELDS:
-            cols += [f"string_agg(nullif(array_to_string(s.{c}, ',', '-1'), ''), ',')",
-                     f"array_agg(cardinality(s.{c}))"]
-        elif c in JSON_FIELDS:
-            cols.append(f"json_agg(s.{c})")
-        else:
-            cols.append(f"array_agg(s.{c})")
-    episodes = any(ROW_SQL[c].startswith("e.") for c in names)
-    return ("SELECT " + ", ".join(cols) + " FROM (SELECT " + ", ".join(f"{ROW_SQL[c]} AS {c}" for c in names)
-            + " FROM unnest(%(ids)b::text[]) WITH ORDINALITY AS k(id, ord) JOIN trajectories t ON t.episode_id = k.id"
-            + (" JOIN episodes e ON e.id = k.id" if episodes else "") + " ORDER BY k.ord OFFSET 0) s"), names
-
-
-SERIAL_READ = "SET LOCAL max_parallel_workers_per_gather = 0"
-"""Run on a connection before ``rows_query`` (in its transaction): no parallel plan may interleave the rows."""
+"""Small per-row ``int4[]`` arrays (2-D ones arrive flattened: ``[start, end)`` pairs)."""
 
 
 @dataclass(frozen=True)
 class _Filters:
     """A selection as SQL pieces over ``trajectories t JOIN episodes e``: the reward expression (and its join),
-    the row filters, and the group filters over a group's statistics (placeholders ``{members}``, ``{hi}``,
-    ``{lo}`` for them, ``{group}``, ``{episode}``, ``{attempt}`` for the row's)."""
+    the row filters, the group filters over a group's statistics (placeholders ``{members}``, ``{hi}``, ``{lo}``
+    for them, ``{group}`` for the group), and a scope's trajectory versions (``rows``: applied after the group
+    statistics, which cover every stored member)."""
 
     reward: str
     reward_join: str
     where: list[str]
     final: list[str]
     params: dict[str, Any]
+    rows: str | None = None
 
     def final_sql(self, **names: str) -> str:
         return " AND ".join(f.format(**names) for f in self.final) if self.final else "TRUE"
@@ -193,8 +151,10 @@ def _filters(sel: Selection, scope: Scope | None = None) -> _Filters:
         reward_join = ("JOIN reward_scores rs ON rs.episode_id = t.episode_id AND rs.attempt = t.attempt "
                        "AND rs.reward_name = %(reward_name)s AND rs.reward_version = %(reward_version)s")
         params.update(reward_name=sel.reward.name, reward_version=sel.reward.version)
+    # batch and group filters name both tables (an episode and its trajectory share them): Postgres then reads
+    # only those episodes by index, where a join condition alone made it hash every episode of the store
     if sel.batch_ids:
-        where.append("t.batch_id = ANY(%(batch_ids)s)")
+        where.append("t.batch_id = ANY(%(batch_ids)s) AND e.batch_id = ANY(%(batch_ids)s)")
         params["batch_ids"] = list(sel.batch_ids)
     if sel.envs:
         where.append("t.env = ANY(%(envs)s)")
@@ -222,7 +182,7 @@ def _filters(sel: Selection, scope: Scope | None = None) -> _Filters:
         where.append(f"(SELECT max(v) FROM unnest({versions}) v WHERE v >= 0) <= %(version_hi)s")
         params.update(version_lo=lo, version_hi=sel.version)
     if scope is not None:
-        where.append("t.group_id = ANY(%(scope_groups)s)")
+        where.append("t.group_id = ANY(%(scope_groups)s) AND e.group_id = ANY(%(scope_groups)s)")
         params["scope_groups"] = list(scope.groups)
     final: list[str] = []
     if sel.complete_groups:
@@ -234,44 +194,19 @@ def _filters(sel: Selection, scope: Scope | None = None) -> _Filters:
         params["terminal"] = _TERMINAL_SQL
     if sel.drop_uniform:
         final.append("{hi} > {lo}")
+    rows = None
     if scope is not None and scope.rows is not None:
-        final.append("({episode}, {attempt}) IN (SELECT * FROM unnest(%(scope_eids)s::text[], "
-                     "%(scope_attempts)s::int4[]))")
+        rows = "(episode_id, attempt) IN (SELECT * FROM unnest(%(scope_eids)s::text[], %(scope_attempts)s::int4[]))"
         params["scope_eids"] = [r[0] for r in scope.rows]
         params["scope_attempts"] = [r[1] for r in scope.rows]
-    return _Filters(reward, reward_join, where, final, params)
+    return _Filters(reward, reward_join, where, final, params, rows)
 
 
-def build_query(sel: Selection, scope: Scope | None = None) -> tuple[str, dict[str, Any]]:
-    """The selection as SQL (psycopg ``%(name)s`` parameters) returning ``KEY_COLUMNS`` in (group, episode) order.
-
-    Only keys are sorted; the wide rows are read afterwards by ``rows_query`` (consumer reads, ``cursor.py``).
-    """
-    f = _filters(sel, scope)
-    advantage = sel.advantage.sql("s.reward", "g.mean", "g.std", "g.total", "g.n")
-    final = f.final_sql(members="g.members", hi="g.hi", lo="g.lo", group="s.group_id", episode="s.episode_id",
-                        attempt="s.attempt")
-    query = (
-        "WITH sel AS ("
-        f" SELECT t.episode_id, t.group_id, t.attempt, ({f.reward})::float8 AS reward FROM trajectories t"
-        f" JOIN episodes e ON e.id = t.episode_id {f.reward_join}"
-        f" WHERE {' AND '.join(f.where) if f.where else 'TRUE'}"
-        "), grp AS ("
-        " SELECT group_id, count(*) AS members, count(reward) AS n, avg(reward) AS mean,"
-        " stddev_samp(reward) AS std, sum(reward) AS total, min(reward) AS lo, max(reward) AS hi"
-        " FROM sel GROUP BY group_id"
-        ") "
-        f"SELECT s.episode_id, s.attempt, s.reward, {advantage} AS advantage, g.members AS group_size "
-        "FROM sel s JOIN grp g ON g.group_id = s.group_id "
-        f"WHERE {final} "
-        "ORDER BY s.group_id, s.episode_id"
-    )
-    return query, f.params
-
-
-def stream_query(sel: Selection, fields: Collection[str] | None = None) -> tuple[str, dict[str, Any], tuple[str, ...]]:
-    """The whole selection as ONE query returning ``KEY_COLUMNS`` and then the row fields of every selected
-    trajectory, in (group, episode) order: what a one-shot export streams (``source.stream``).
+def stream_query(sel: Selection, fields: Collection[str] | None = None,
+                 scope: Scope | None = None) -> tuple[str, dict[str, Any], tuple[str, ...]]:
+    """The selection as ONE query returning ``KEY_COLUMNS`` and then the row fields of every selected trajectory,
+    in (group, episode) order: what a one-shot export streams (``source.stream``) and a consumer read takes within
+    its ``scope`` (``source.fetch``).
 
     Late materialisation: an inner query selects and orders KEYS only (the row filters, the group statistics as
     window functions over each group (summed in episode order, so an advantage does not change with the plan
@@ -292,7 +227,7 @@ def stream_query(sel: Selection, fields: Collection[str] | None = None) -> tuple
     if unknown:
         raise ValueError(f"unknown row fields: {', '.join(sorted(unknown))}")
     names = tuple(c for c in ROW_COLUMNS if c in wanted and c not in ("episode_id", "attempt"))
-    f = _filters(sel)
+    f = _filters(sel, scope)
     r = f"({f.reward})::float8"
     advantage = sel.advantage.sql(r, f"avg({r}) OVER g", f"stddev_samp({r}) OVER g", f"sum({r}) OVER g",
                                   f"count({r}) OVER g")
@@ -306,6 +241,8 @@ def stream_query(sel: Selection, fields: Collection[str] | None = None) -> tuple
             f"{advantage} AS advantage, count(*) OVER g AS group_size {source} "
             f"WHERE {' AND '.join(where) or 'TRUE'} WINDOW g AS (PARTITION BY t.group_id ORDER BY t.episode_id "
             "ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING) ORDER BY t.group_id, t.episode_id")
+    if f.rows:  # the scope's versions, after the group statistics; sorted again while the keys are narrow
+        keys = f"SELECT * FROM ({keys}) s WHERE {f.rows} ORDER BY gid, episode_id"
     episodes = any(ROW_SQL[c].startswith("e.") for c in names)
     fetch = ("SELECT " + ", ".join(f"{ROW_SQL[c]} AS {c}" for c in names) + " FROM trajectories t"
              + (", episodes e WHERE e.ctid = k.eid AND" if episodes else " WHERE") + " t.ctid = k.tid OFFSET 0")

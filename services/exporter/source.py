@@ -1,12 +1,11 @@
-"""Reads selected trajectories out of Postgres: connections, a one-shot export's single query streamed into
-``Chunk``s through ADBC (``stream``), and a consumer read's rows looked up by key (``read_chunk``)."""
+"""Reads selected trajectories out of Postgres into ``Chunk``s: ``selection.stream_query`` through ADBC, streamed
+for a one-shot export (``stream``) or taken whole, in the snapshot of a consumer's transaction (``fetch``)."""
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -24,11 +23,8 @@ from rollout_ledger.services.exporter.selection import (
     KEY_COLUMNS,
     PACKED_FIELDS,
     PAIR_FIELDS,
-    SERIAL_READ,
     Scope,
     Selection,
-    build_query,
-    rows_query,
     stream_query,
 )
 from rollout_ledger.shared.errors import SchemaError, StoreError
@@ -53,76 +49,6 @@ def connect(database_url: str, *, autocommit: bool = False) -> psycopg.Connectio
         raise StoreError(f"cannot connect to Postgres: {exc}") from exc
     set_json_loads(orjson.loads, conn)
     return conn
-
-
-def read_chunk(conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]], sel: Selection,
-               fields: Collection[str] | None = None) -> Chunk:
-    """The stored rows of ``keys`` (``KEY_COLUMNS``), in the keys' order, as a ``Chunk``; ``fields``: the row
-    fields to read (all when None; see ``selection.rows_query``)."""
-    query, names = rows_query(fields)
-    row: tuple[Any, ...] | None = None
-    if keys:
-        with conn.cursor(binary=True) as cur:
-            cur.execute(SERIAL_READ)
-            cur.execute(query, {"ids": [k[0] for k in keys]})
-            row = cur.fetchone()
-    return assemble(list(zip(*keys, strict=True)), row, names, sel)
-
-
-def _ints(text: str | None, counts: list[int] | None, what: str) -> tuple[np.ndarray, np.ndarray]:
-    per_row = np.array(counts or [], np.int64)
-    values = np.fromstring(text or "", dtype=np.int64, sep=",")
-    if len(values) != int(per_row.sum()):
-        raise SchemaError(f"{what}: {len(values)} values for {int(per_row.sum())} announced")
-    return values, per_row
-
-
-def assemble(keys: Sequence[Sequence[Any]], row: Sequence[Any] | None, names: tuple[str, ...],
-             sel: Selection) -> Chunk:
-    """A ``Chunk`` of the one row ``rows_query`` returns (or ``rows_of`` makes of streamed rows) for the keys
-    (``KEY_COLUMNS``, one sequence each, in export order), with the keys' reward, advantage and group size. A key
-    without its stored row (or of another attempt) means the read left its snapshot."""
-    if not keys or not keys[0]:
-        return Chunk.empty()
-    values: dict[str, Any] = {}
-    at = 0
-    for name in names:
-        width = 2 if name in PACKED_FIELDS or name in PAIR_FIELDS else 1
-        values[name] = row[at:at + width] if row is not None and width == 2 else (row[at] if row else None)
-        at += width
-    ids, attempts, rewards, advantages, sizes = (list(k) for k in keys)
-    if values["episode_id"] != ids or values["attempt"] != attempts:
-        raise StoreError("a trajectory changed during the read (not in one snapshot?)", retryable=True)
-    columns = {name: list(v) for name, v in values.items() if name not in PACKED_FIELDS and name not in PAIR_FIELDS}
-    columns.update(reward=rewards, advantage=advantages, group_size=sizes,
-                   reward_source=[str(sel.reward) if sel.reward else "rollout"] * len(ids))
-    (tok_bytes, tok_sizes), (lp_bytes, lp_sizes) = values["token_ids"], values["logprobs"]
-    token_ids = np.frombuffer(tok_bytes or b"", PACKED["token_ids"]).astype(np.int32, copy=False)
-    logprobs = np.frombuffer(lp_bytes or b"", PACKED["logprobs"]).astype(np.float32, copy=False)
-    lengths = np.array(columns["num_tokens"], np.int64)
-    if tok_sizes != lp_sizes or np.any(np.array(tok_sizes, np.int64) != 4 * lengths):
-        raise SchemaError("a trajectory's packed token_ids, logprobs and num_tokens disagree in length")
-    ranges, range_values = _ints(values["action_ranges"][0], values["action_ranges"][1], "action_ranges")
-    versions, version_counts = _ints(values["range_versions"][0], values["range_versions"][1], "action_versions")
-    segments, segment_values = _ints(values["segments"][0], values["segments"][1], "segments")
-    if np.any(range_values % 2) or np.any(segment_values % 2) or np.any(range_values // 2 != version_counts):
-        raise SchemaError("action ranges, their versions or segments are not [start, end) pairs")
-    return Chunk.build(columns, token_ids, logprobs, lengths, ranges.reshape(-1, 2), range_values // 2, versions,
-                       segments.reshape(-1, 2), segment_values // 2)
-
-
-def fetch(conn: psycopg.Connection[Any], sel: Selection, scope: Scope | None = None,
-          fields: Collection[str] | None = None) -> Chunk:
-    """Every selected row within ``scope`` (a cursor read: bounded by the read's size).
-
-    Call in a REPEATABLE READ transaction (keys and rows must come from one snapshot).
-    """
-    query, params = build_query(sel, scope)
-    keys = conn.execute(query, params).fetchall()
-    return read_chunk(conn, keys, sel, fields)
-
-
-_DONE = object()
 
 
 def _rendered(query: str, params: dict[str, Any]) -> str:
@@ -200,6 +126,55 @@ def arrow_chunk(batch: pa.RecordBatch, names: tuple[str, ...], reward_source: st
                        segments.reshape(-1, 2), segment_values // 2)
 
 
+def connect_arrow(database_url: str) -> adbc.Connection:
+    """An ADBC connection (autocommit: transactions are explicit) for ``stream`` and ``fetch``."""
+    try:
+        return adbc.connect(_adbc_uri(database_url), autocommit=True)
+    except adbc.Error as exc:
+        raise StoreError(f"cannot connect to Postgres: {exc}") from exc
+
+
+def _batches(cur: adbc.Cursor, query: str) -> Iterator[pa.RecordBatch]:
+    """The query's rows as Arrow record batches of about ``BATCH_BYTES`` (a failure is a ``StoreError``)."""
+    cur.adbc_statement.set_options(**{"adbc.postgresql.batch_size_hint_bytes": str(BATCH_BYTES)})
+    try:
+        cur.execute(query)
+        yield from cur.fetch_record_batch()
+    except adbc.Error as exc:
+        raise StoreError(f"the export query failed: {exc}") from exc
+
+
+def _command(cur: adbc.Cursor, command: str) -> None:
+    """A statement without rows (``execute`` would describe it first: seven times as long)."""
+    try:
+        cur.adbc_statement.set_sql_query(command)
+        cur.adbc_statement.execute_update()
+    except adbc.Error as exc:
+        raise StoreError(f"{command.split()[0]} failed: {exc}") from exc
+
+
+def fetch(conn: psycopg.Connection[Any], arrow: adbc.Connection, sel: Selection, scope: Scope | None = None,
+          fields: Collection[str] | None = None) -> Chunk:
+    """Every selected row within ``scope``, as one ``Chunk`` (a consumer read: bounded by the read's size), in the
+    snapshot of ``conn``'s open transaction (a consumer reads its feed entries and their rows in one snapshot):
+    ``stream_query`` runs on the ADBC connection ``arrow`` in a REPEATABLE READ transaction that imports that
+    snapshot (``pg_export_snapshot``)."""
+    query, params, names = stream_query(sel, fields, scope)
+    snapshot = conn.execute("SELECT pg_export_snapshot()").fetchone()
+    assert snapshot is not None
+    with arrow.cursor() as cur:
+        _command(cur, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        try:
+            _command(cur, sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot[0])).as_string(None))
+            got = list(_batches(cur, _rendered(query, params)))
+        finally:
+            _command(cur, "ROLLBACK")
+    if not any(b.num_rows for b in got):
+        return Chunk.empty()
+    batch = pa.Table.from_batches(got).combine_chunks().to_batches()[0]
+    return arrow_chunk(batch, names, str(sel.reward) if sel.reward else "rollout")
+
+
 _DONE = object()
 
 
@@ -233,21 +208,11 @@ def stream(database_url: str, sel: Selection, chunk: int = CHUNK,
 
     def read() -> None:
         try:
-            with contextlib.ExitStack() as stack:
-                try:
-                    conn = stack.enter_context(adbc.connect(_adbc_uri(database_url), autocommit=True))
-                except adbc.Error as exc:
-                    raise StoreError(f"cannot connect to Postgres: {exc}") from exc
-                cur = stack.enter_context(conn.cursor())
-                cur.adbc_statement.set_options(**{"adbc.postgresql.batch_size_hint_bytes": str(BATCH_BYTES)})
-                try:
-                    cur.execute(text)
-                    for batch in cur.fetch_record_batch():
-                        for at in range(0, batch.num_rows, chunk):
-                            if not put(arrow_chunk(batch.slice(at, chunk), names, source)):
-                                return
-                except adbc.Error as exc:
-                    raise StoreError(f"the export query failed: {exc}") from exc
+            with connect_arrow(database_url) as conn, conn.cursor() as cur:
+                for batch in _batches(cur, text):
+                    for at in range(0, batch.num_rows, chunk):
+                        if not put(arrow_chunk(batch.slice(at, chunk), names, source)):
+                            return
             put(_DONE)
         except BaseException as exc:  # handed to the consumer, raised there
             put(exc)

@@ -123,7 +123,7 @@ def test_a_consumer_session_has_short_tcp_keepalives(database_url: str) -> None:
         got = dict(cursors.conn.execute("SELECT name, setting::int FROM pg_settings WHERE name = ANY(%s)",
                                         (list(KEEPALIVE),)).fetchall())
     finally:
-        cursors.conn.close()
+        cursors.close()
     assert got == KEEPALIVE == {"tcp_keepalives_idle": 10, "tcp_keepalives_interval": 5, "tcp_keepalives_count": 3}
 
 

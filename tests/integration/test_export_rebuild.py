@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import connect, fetch
+from rollout_ledger.services.exporter.source import connect, connect_arrow, fetch
 from rollout_ledger.shared import bus
 from rollout_ledger.shared.events import StepCompleted, TurnGenerated
 from tests.helpers import Sql
@@ -78,10 +78,10 @@ async def test_rebuilt_mask_and_versions_equal_the_stored_arrays(nc: bus.NATS, n
     assert stored[failed]["status"] == "failed" and stored[empty_turn]["action_ranges"] == [[8, 10], [13, 14]]
     assert set(stored[multi]["weight_versions"]) == {-1, 4, 5}
 
-    with connect(database_url) as conn:
+    with connect(database_url) as conn, connect_arrow(database_url) as arrow:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         with conn.transaction():
-            rows = fetch(conn, Selection())
+            rows = fetch(conn, arrow, Selection())
     assert sorted(r["episode_id"] for r in rows) == sorted(stored)
     for row in rows:
         s = stored[row["episode_id"]]

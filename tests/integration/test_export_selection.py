@@ -14,13 +14,13 @@ from rollout_ledger.services.exporter.advantages import AdvantageKind, Advantage
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.rewards import RewardError, RewardInput, rescore, resolve
 from rollout_ledger.services.exporter.selection import RewardChoice, Selection
-from rollout_ledger.services.exporter.source import connect, fetch
+from rollout_ledger.services.exporter.source import connect, connect_arrow, fetch
 from tests.integration.export_data import Traj, run, seed_batch
 
 
 def select(url: str, sel: Selection) -> list[dict]:
-    with connect(url) as conn:
-        return list(fetch(conn, sel))
+    with connect(url) as conn, connect_arrow(url) as arrow:
+        return list(fetch(conn, arrow, sel))
 
 
 def ids(rows: list[dict]) -> list[str]:

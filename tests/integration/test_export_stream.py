@@ -1,7 +1,7 @@
 """``source.stream`` reads a one-shot export as one streamed query (``selection.stream_query``): every selected
-trajectory arrives once, in the same order and with the same keys (reward, advantage, group size) as the consumer
-path's keys query, with the arrays it was stored with, for any chunk size and selection; a trajectory replaced
-during the read does not leak in."""
+trajectory arrives once, in the same order and with the same keys (reward, advantage, group size) as a consumer's
+whole read (``source.fetch``), with the arrays it was stored with, for any chunk size and selection; a trajectory
+replaced during the read does not leak in; the plan never sorts the token arrays."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
 from rollout_ledger.services.exporter.selection import Selection, stream_query
-from rollout_ledger.services.exporter.source import _rendered, connect, fetch, stream
+from rollout_ledger.services.exporter.source import _rendered, connect, connect_arrow, fetch, stream
 from rollout_ledger.shared.errors import StoreError
 from tests.integration.export_data import Traj, run, seed_batch
 
@@ -32,8 +32,8 @@ def seeded(database_url: str) -> list[str]:
 def test_every_row_once_in_selection_order(database_url: str, seeded: list[str], chunk: int) -> None:
     stored = {r[0]: r[1:] for r in run(database_url, "SELECT episode_id, token_ids, logprobs, loss_mask, "
                                                      "weight_versions, action_ranges FROM trajectories")}
-    with connect(database_url) as conn:
-        want = [r["episode_id"] for r in fetch(conn, Selection())]
+    with connect(database_url) as conn, connect_arrow(database_url) as arrow:
+        want = [r["episode_id"] for r in fetch(conn, arrow, Selection())]
     got = [row for c in stream(database_url, Selection(), chunk) for row in c]
     assert [r["episode_id"] for r in got] == want and sorted(want) == sorted(seeded)
     for row in got:
@@ -65,12 +65,11 @@ SELECTIONS = [
 
 
 @pytest.mark.parametrize("sel", SELECTIONS)
-def test_the_streamed_query_selects_what_the_keys_query_does(database_url: str, seeded: list[str],
-                                                               sel: Selection) -> None:
-    # the one-shot export (one streamed query, group statistics as window functions) and the consumer path (a
-    # keys query with GROUP BY, rows looked up per chunk) must agree on rows, order and every key column
-    with connect(database_url) as conn:
-        want = fetch(conn, sel)
+def test_a_stream_in_chunks_and_a_whole_read_agree(database_url: str, seeded: list[str], sel: Selection) -> None:
+    # the one-shot export (streamed, cut into chunks) and a consumer's read (taken whole in an imported snapshot)
+    # must agree on rows, order and every key column
+    with connect(database_url) as conn, connect_arrow(database_url) as arrow:
+        want = fetch(conn, arrow, sel)
     got = [row for c in stream(database_url, sel, 3) for row in c]
     keys = ("episode_id", "attempt", "reward", "advantage", "group_size")
     assert [tuple(r[k] for k in keys) for r in got] == [tuple(r[k] for k in keys) for r in want]
