@@ -9,7 +9,9 @@ its own process and in Postgres (steadier than wall time on a shared machine):
 - ``pyarrow-write``: the very table the export produced, already in memory, written with ``pq.write_table``
   (the cost of writing the arrays and nothing else; the target is export / this >= 0.5 in throughput);
 - ``straight``: the same rows fetched with one plain query (psycopg, binary) and written with pyarrow without the
-  exporter's layers: how much of the export is the database read.
+  exporter's layers: how much of the export is the database read;
+- ``consumer``: a trainer's ``TrajectoryReader`` (a new consumer, slime samples) taking every trajectory in
+  reads of 2,000 feed entries, each acknowledged: the exactly-once path, without a file.
 
 Usage:
 
@@ -151,6 +153,19 @@ def child_straight(url: str, out: Path, chunk: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - t0, "cpu": cpu_s() - c0, "records": count, "peak_rss_mb": peak_rss_mb()}
 
 
+def child_consumer(url: str, fmt: str, batch: int) -> dict[str, Any]:
+    from rollout_ledger.services.exporter.api import TrajectoryReader
+
+    t0, c0 = time.perf_counter(), cpu_s()
+    count = 0
+    with TrajectoryReader(url, f"bench-{os.getpid()}", selection=Selection(), fmt=fmt, batch_size=batch) as reader:
+        while (got := reader.next_batch()) is not None:
+            count += got.table.num_rows
+            got.ack()
+    return {"seconds": time.perf_counter() - t0, "cpu": cpu_s() - c0, "records": count,
+            "peak_rss_mb": peak_rss_mb()}
+
+
 def run_child(repeat: int, postmaster_pid: int | None, *args: str) -> dict[str, Any]:
     """The fastest of ``repeat`` runs of one path, each in a fresh process (peak RSS: the largest seen), with the
     CPU seconds it took in its own process and in Postgres."""
@@ -180,6 +195,8 @@ def main() -> None:
             res = child_export(rest[0], Path(rest[1]), rest[2], args.chunk)
         elif kind == "write":
             res = child_write(Path(rest[0]), Path(rest[1]))
+        elif kind == "consumer":
+            res = child_consumer(rest[0], rest[1], int(rest[2]))
         else:
             res = child_straight(rest[0], Path(rest[1]), args.chunk)
         print(json.dumps(res))
@@ -200,6 +217,7 @@ def main() -> None:
             results[f"pyarrow-write {fmt}"] = run_child(args.repeat, pm, "write", str(d / f"{fmt}.parquet"),
                                                         str(d / f"w-{fmt}.parquet"))
         results["straight"] = run_child(args.repeat, pm, "straight", url, str(d / "straight.parquet"))
+        results["consumer slime"] = run_child(args.repeat, pm, "consumer", url, "slime", "2000")
         tokens = n * LENGTH
         print(f"{'path':<24}{'records':>10}{'seconds':>9}{'traj/s':>10}{'Mtok/s':>8}{'peak RSS MB':>13}"
               f"{'CPU s':>7}{'PG CPU s':>9}")
