@@ -3,6 +3,7 @@ for a one-shot export (``stream``) or taken whole, in the snapshot of a consumer
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Collection, Iterator
@@ -66,7 +67,8 @@ def _adbc_uri(database_url: str) -> str:
 def _packed(col: pa.Array, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
     """A ``bytea`` column of packed little-endian values -> (the rows' values laid end to end, each row's byte
     length), read in place from the Arrow buffers (a NULL reads as empty)."""
-    offsets = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
+    width = np.int64 if pa.types.is_large_binary(col.type) else np.int32
+    offsets = np.frombuffer(col.buffers()[1], width)[col.offset:col.offset + len(col) + 1]
     data = col.buffers()[2]
     raw = np.frombuffer(data, np.uint8)[offsets[0]:offsets[-1]] if data is not None else np.empty(0, np.uint8)
     sizes = np.diff(offsets).astype(np.int64)
@@ -167,8 +169,11 @@ def fetch(conn: psycopg.Connection[Any], arrow: adbc.Connection, sel: Selection,
         try:
             _command(cur, sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot[0])).as_string(None))
             got = list(_batches(cur, _rendered(query, params)))
-        finally:
-            _command(cur, "ROLLBACK")
+        except BaseException:
+            with contextlib.suppress(StoreError):  # the error that ended the read is the one to report
+                _command(cur, "ROLLBACK")
+            raise
+        _command(cur, "ROLLBACK")
     if not any(b.num_rows for b in got):
         return Chunk.empty()
     batch = pa.Table.from_batches(got).combine_chunks().to_batches()[0]
