@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from rollout_ledger.services.exporter import source
 from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
 from rollout_ledger.services.exporter.selection import Selection, stream_query
 from rollout_ledger.services.exporter.source import _rendered, connect, connect_arrow, fetch, stream
@@ -113,3 +114,24 @@ def test_parameters_are_rendered_as_quoted_literals(database_url: str, seeded: l
 def test_an_unreachable_store_is_a_store_error() -> None:
     with pytest.raises(StoreError, match="cannot connect to Postgres"):
         list(stream("postgresql://nobody@127.0.0.1:1/none", Selection()))
+
+
+def test_long_trajectories_stored_out_of_line_stream_exactly(database_url: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # 40,000-token trajectories: every per-token column is moved out of line (TOAST, compressed where it
+    # shrinks), and with a 64 KiB driver batch each batch holds about one of them
+    long = Traj(segments=((3000, ((12000, 5000), (15000, 0))), (30000, ((5000, 0),))), versions=(3, 4, 5))
+    seed_batch(database_url, "long", [[long, Traj()], [long]])
+    stored = {r[0]: r[1:] for r in run(database_url, "SELECT episode_id, token_ids, logprobs, loss_mask, "
+                                                     "weight_versions, pg_column_toast_chunk_id(token_ids_le) IS NOT "
+                                                     "NULL FROM trajectories")}
+    assert [stored[e][4] for e in ("long.0.0", "long.0.1", "long.1.0")] == [True, False, True]  # out of line
+    monkeypatch.setattr(source, "BATCH_BYTES", 64 << 10)
+    got = [row for c in stream(database_url, Selection(), 2000) for row in c]
+    assert sorted(r["episode_id"] for r in got) == sorted(stored)
+    for row in got:
+        ids, lps, mask, wv, _ = stored[row["episode_id"]]
+        assert row["token_ids"].tolist() == ids and row["loss_mask"].tolist() == mask
+        assert row["weight_versions"].tolist() == wv
+        assert np.array_equal(row["logprobs"], np.array(lps, np.float32))
+    assert max(len(r["token_ids"]) for r in got) == 70_000
