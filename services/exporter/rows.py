@@ -108,9 +108,20 @@ def runs(total: int, lo: np.ndarray, hi: np.ndarray, inside: Any, outside: Any, 
     return np.repeat(values, lengths)
 
 
+REBUILT = {"loss_mask": (1, 0), "weight_versions": (None, -1)}
+"""The arrays rebuilt from the action ranges: (value on a range, None for the range's weight version; value
+elsewhere)."""
+
+
+def rebuilt(name: str, total: int, lo: np.ndarray, hi: np.ndarray, vers: np.ndarray) -> np.ndarray:
+    """One of ``REBUILT`` for ``total`` positions with action ranges ``[lo, hi)`` and their versions ``vers``."""
+    inside, outside = REBUILT[name]
+    return runs(total, lo, hi, vers if inside is None else inside, outside, np.int32)
+
+
 def mask_and_versions(total: int, lo: np.ndarray, hi: np.ndarray, vers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``rebuild_flat`` from ``flat_ranges``."""
-    return runs(total, lo, hi, 1, 0, np.int32), runs(total, lo, hi, vers, -1, np.int32)
+    return rebuilt("loss_mask", total, lo, hi, vers), rebuilt("weight_versions", total, lo, hi, vers)
 
 
 def rebuild_sampled(lengths: Sequence[int], ranges: Sequence[Sequence[Sequence[int]]],
@@ -150,14 +161,11 @@ class _Arrays(dict[str, np.ndarray]):
         self._total, self._ranges = total, ranges
 
     def __missing__(self, name: str) -> np.ndarray:
-        lo, hi = self._ranges.lo, self._ranges.hi
-        if name == "loss_mask":
-            got = runs(self._total, lo, hi, 1, 0, np.int32)
-        elif name == "weight_versions":
-            got = runs(self._total, lo, hi, self._ranges.versions, -1, np.int32)
-        else:
+        if name not in REBUILT:
             raise KeyError(name)
-        self[name] = got
+        r = self._ranges
+        assert r.versions is not None
+        got = self[name] = rebuilt(name, self._total, r.lo, r.hi, r.versions)
         return got
 
 

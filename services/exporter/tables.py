@@ -47,10 +47,15 @@ def _list_column(values: Sequence[Any], typ: pa.ListType) -> pa.Array:
 def text_column(values: Sequence[Any], typ: pa.DataType) -> pa.Array:
     """A string column; when any value is a dict or list, those values become JSON text (sorted keys)."""
     if any(isinstance(v, dict | list) for v in values):
-        memo: dict[int, str] = {}  # by identity: a value shared by rows is dumped once (source._parsed)
-        return pa.array([memo[id(v)] if id(v) in memo else memo.setdefault(id(v), _json_text(v)) for v in values],
-                        type=typ)
+        return pa.array(_each_once(values, _json_text), type=typ)
     return pa.array(values, type=typ)
+
+
+def _each_once(values: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
+    """``[fn(v) for v in values]``, calling ``fn`` once per distinct object: rows whose JSON text was the same share
+    one parsed value (``source._parsed``)."""
+    memo: dict[int, Any] = {}
+    return [memo[id(v)] if id(v) in memo else memo.setdefault(id(v), fn(v)) for v in values]
 
 
 def to_table(records: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:
@@ -256,10 +261,7 @@ def _pylist(values: Sequence[Any] | pa.Array, at: np.ndarray | None = None) -> l
 
 
 def _labels(s: Samples) -> list[str]:
-    memo: dict[int, str] = {}  # by identity: rows with the same task text share its value (source._parsed)
-    per_row = [memo.get(id(t)) or memo.setdefault(id(t), orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode())
-               for t in s.chunk.json["task"]]
-    return per_row if s._one_each else [per_row[i] for i in s.rows.tolist()]
+    return _each_once(s.json("task"), lambda t: orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode())
 
 
 def _ids(s: Samples) -> dict[str, Any]:
