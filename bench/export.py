@@ -42,8 +42,7 @@ from rollout_ledger.migrations.runner import upgrade
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.rows import PACKED, rebuild_flat, unpack
 from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.settings import ExporterSettings
-from rollout_ledger.services.exporter.source import libpq_url
+from rollout_ledger.services.exporter.source import CHUNK, libpq_url
 from rollout_ledger.services.localinfra import LocalInfra
 
 PROMPT, TURNS, SAMPLED, OBS = 64, 4, 32, 16
@@ -184,7 +183,7 @@ def run_child(repeat: int, postmaster_pid: int | None, *args: str) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trajectories", type=int, default=100_000)
-    ap.add_argument("--chunk", type=int, default=ExporterSettings.model_fields["export_chunk"].default,
+    ap.add_argument("--chunk", type=int, default=CHUNK,
                     help="rows per chunk (default: the exporter's, ROLLOUT_EXPORT_CHUNK)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each path; the fastest counts (noisy machines)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)

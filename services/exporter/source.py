@@ -28,12 +28,13 @@ from rollout_ledger.services.exporter.selection import (
     Selection,
     stream_query,
 )
+from rollout_ledger.services.exporter.settings import ExporterSettings
 from rollout_ledger.shared.errors import SchemaError, StoreError
 from rollout_ledger.shared.settings import normalize_database_url
 
 BATCH_BYTES = 4 << 20
 """About how many bytes of rows the driver decodes into one Arrow batch (then cut into chunks)."""
-CHUNK = 2000
+CHUNK: int = ExporterSettings.model_fields["export_chunk"].default
 """Rows per chunk of a one-shot export by default (``ROLLOUT_EXPORT_CHUNK``): per-chunk work is a few dozen numpy
 and Arrow calls, which cost as much as the rows' own at 500 rows."""
 
