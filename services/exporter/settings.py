@@ -18,8 +18,12 @@ class ExporterSettings(BaseServiceSettings):
     export_chunk: int = Field(2000, ge=1, le=100_000)
     """Rows a one-shot export maps and writes at a time (at most what the driver decodes in one ~4 MiB batch):
     memory is bounded by this and the row group, not by the export's size."""
-    export_row_group_mb: int = Field(32, ge=1, le=4096)
-    """Parquet row group size of a one-shot export, in MiB of Arrow data (memory holds about three groups)."""
+    export_row_group_mb: int = Field(16, ge=1, le=4096)
+    """Parquet row group size of a one-shot export, in MiB of Arrow data (memory holds about three groups). A row
+    group per 500-row chunk made files twice as large (the token columns' dictionary and pages restart with every
+    group) and slower to write and read. The groups still queued when the last row is read are encoded after it on
+    one core: at 32 MiB that tail was ~0.3 s of a 100,000-trajectory export; 16 MiB halves it for ~3% more file
+    (docs/benchmarks.md)."""
     export_poll_s: float = Field(1.0, gt=0)
     """With `--follow`, how long to wait before reading again when nothing was new."""
     export_stall_s: float = Field(300.0, gt=0)

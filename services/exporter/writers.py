@@ -17,13 +17,12 @@ import pyarrow.parquet as pq
 
 from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
 from rollout_ledger.services.exporter.rows import Chunk
+from rollout_ledger.services.exporter.settings import ExporterSettings
 from rollout_ledger.services.exporter.tables import table
 
 FILE_TYPES = ("parquet", "jsonl")
-ROW_GROUP_BYTES = 32 << 20
-"""Arrow bytes gathered into one Parquet row group. A row group per 500-row chunk made files twice as large (the
-token columns' dictionary and pages restart with every group) and slower to write and read; this bounds memory
-(a group being filled, one queued, one being encoded) by a constant, not by the export's size."""
+ROW_GROUP_BYTES: int = ExporterSettings.model_fields["export_row_group_mb"].default << 20
+"""Arrow bytes gathered into one Parquet row group by default (``ROLLOUT_EXPORT_ROW_GROUP_MB``)."""
 
 
 def jsonl_line(record: dict[str, Any]) -> bytes:
