@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from rollout_ledger.migrations.runner import upgrade
 from rollout_ledger.services.exporter.export import export
-from rollout_ledger.services.exporter.rows import PACKED, rebuild_flat, unpack
+from rollout_ledger.services.exporter.rows import PACKED, flat_ranges, mask_and_versions, spread, unpack
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import CHUNK, libpq_url
 from rollout_ledger.services.localinfra import LocalInfra
@@ -78,11 +78,13 @@ def seed(url: str, n: int, group: int = 8) -> float:
         conn.execute(
             "WITH tmpl AS (SELECT k, tok, rl_pack_le(array_send(tok)) AS tok_le FROM (SELECT k, array(SELECT "
             "(random() * 49000)::int + k * 0 FROM generate_series(1, %(len)s)) AS tok FROM generate_series(0, 63) k) "
-            "AS r), lp AS (SELECT %(lp)s::float4[] AS lp, rl_pack_le(array_send(%(lp)s::float4[])) AS lp_le) "
+            "AS r), lp AS (SELECT %(lp)s::float4[] AS lp, "
+            "rl_sampled_le(rl_pack_le(array_send(%(lp)s::float4[])), %(ranges)s::int4[]) AS lp_le) "
             "INSERT INTO trajectories (episode_id, batch_id, group_id, env, attempt, status, reward, token_ids, "
             "loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, num_sampled_tokens, "
-            "num_turns, segments, token_ids_le, logprobs_le, action_versions) SELECT e.id, 'bench', e.group_id, "
-            "'bench', 1, 'completed', e.reward, t.tok, %(mask)s::int2[], lp.lp, %(wv)s::int4[], %(ranges)s::int4[], "
+            "num_turns, segments, token_ids_le, sampled_logprobs_le, action_versions) "
+            "SELECT e.id, 'bench', e.group_id, 'bench', 1, 'completed', e.reward, t.tok, %(mask)s::int2[], lp.lp, "
+            "%(wv)s::int4[], %(ranges)s::int4[], "
             "%(prompt)s, %(len)s, %(sampled)s, %(turns)s, ARRAY[ARRAY[0, %(len)s]], t.tok_le, lp.lp_le, "
             "array_fill(5, ARRAY[%(turns)s]) "
             "FROM episodes e JOIN tmpl t ON t.k = e.task_index %% 64 CROSS JOIN lp",
@@ -128,7 +130,8 @@ def child_write(src: Path, out: Path) -> dict[str, Any]:
 
 def child_straight(url: str, out: Path, chunk: int) -> dict[str, Any]:
     """The same arrays, one plain query, straight into pyarrow (no selection, records or advantages): the two
-    packed arrays as read, the other two rebuilt from the action ranges (as the export does)."""
+    packed arrays as read (the sampled logprobs laid on the action ranges), the other two rebuilt from the action
+    ranges (as the export does)."""
     t0, c0 = time.perf_counter(), cpu_s()
     names = ("token_ids", "logprobs", "loss_mask", "weight_versions")
     schema = pa.schema([("episode_id", pa.string()), ("reward", pa.float64())]
@@ -137,12 +140,14 @@ def child_straight(url: str, out: Path, chunk: int) -> dict[str, Any]:
     count = 0
     with psycopg.connect(libpq_url(url)) as conn, conn.transaction(), \
             conn.cursor(name="straight", binary=True) as cur:
-        cur.execute("SELECT episode_id, reward, token_ids_le, logprobs_le, action_ranges, action_versions "
+        cur.execute("SELECT episode_id, reward, token_ids_le, sampled_logprobs_le, action_ranges, action_versions "
                     "FROM trajectories")
         while rows := cur.fetchmany(chunk):
             tok, lengths = unpack([r[2] for r in rows], PACKED["token_ids"])
-            lp, _ = unpack([r[3] for r in rows], PACKED["logprobs"])
-            mask, wv = rebuild_flat(lengths, [r[4] for r in rows], [r[5] for r in rows])
+            sampled, _ = unpack([r[3] for r in rows], PACKED["logprobs"])
+            lo, hi, vers = flat_ranges(lengths, [r[4] for r in rows], [r[5] for r in rows])
+            mask, wv = mask_and_versions(int(lengths.sum()), lo, hi, vers)
+            lp = spread(int(lengths.sum()), lo, hi, sampled)
             offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
             cols: list[pa.Array] = [pa.array([r[0] for r in rows]), pa.array([r[1] for r in rows], pa.float64())]
             cols += [pa.ListArray.from_arrays(offsets, pa.array(a)) for a in (tok, lp, mask, wv)]

@@ -1,9 +1,10 @@
 """The Postgres schema (SQLAlchemy Core tables, the Alembic target) and the engine factory with its revision check.
 
 Token arrays are ``int4[]``, logprobs ``float4[]``; a trajectory's arrays are aligned position by position.
-A trajectory also keeps its token ids and logprobs packed little-endian (``token_ids_le``, ``logprobs_le``:
-``numpy.frombuffer(b, "<i4")``) and the weight version of each action range (``action_versions``): what the exporter
-reads, because Postgres serialises ``int4[]`` element by element and a per-token array is stored out of line.
+A trajectory also keeps its token ids packed little-endian (``token_ids_le``: ``numpy.frombuffer(b, "<i4")``), the
+logprobs of its sampled tokens (the action ranges, in order) packed the same way (``sampled_logprobs_le``, ``"<f4"``)
+and the weight version of each action range (``action_versions``): what the exporter reads, because Postgres
+serialises ``int4[]`` element by element and a per-token array is stored out of line.
 """
 
 from __future__ import annotations
@@ -166,12 +167,14 @@ trajectories = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("token_ids_le", LargeBinary, nullable=False,
            comment="token_ids packed as little-endian int32 (the exporter's copy; filled when not given)"),
-    Column("logprobs_le", LargeBinary, nullable=False,
-           comment="logprobs packed as little-endian float32 (the exporter's copy; filled when not given)"),
+    Column("sampled_logprobs_le", LargeBinary, nullable=False,
+           comment="logprobs of the sampled tokens (inside action_ranges, in order) packed as little-endian float32 "
+                   "(the exporter's copy; filled when not given)"),
     Column("action_versions", INT4_ARRAY, nullable=False,
            comment="weight version of each action range (NULL for an empty range; filled when not given)"),
     CheckConstraint("octet_length(token_ids_le) = 4 * cardinality(token_ids)", name="ck_trajectories_token_ids_le"),
-    CheckConstraint("octet_length(logprobs_le) = 4 * cardinality(logprobs)", name="ck_trajectories_logprobs_le"),
+    CheckConstraint("octet_length(sampled_logprobs_le) = 4 * rl_sampled_count(action_ranges)",
+                    name="ck_trajectories_sampled_logprobs_le"),
     CheckConstraint("cardinality(action_versions) = coalesce(array_length(action_ranges, 1), 0)",
                     name="ck_trajectories_action_versions"),
     Index("ix_trajectories_batch", "batch_id"),

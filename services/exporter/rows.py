@@ -2,13 +2,15 @@
 numpy array with row offsets, action ranges and segments are flat ``Spans``; every other field is an Arrow array
 (one value per row; as read, without a Python object per value), JSON fields a list of Python values.
 
-Reading (``source.arrow_chunk``): ``token_ids`` and ``logprobs`` come as the packed little-endian copies
-(``trajectories.token_ids_le`` / ``logprobs_le``, migration 0005), read in place from the Arrow batch's buffer
-(no byte swap, no per-element work on either side; ``int4[]`` would cost the server one send call per element).
-``loss_mask`` and ``weight_versions`` are not read at all: ``Chunk.build`` rebuilds them for the whole chunk from
-the action ranges and one weight version per range (``action_versions``), because ``recorder/assembly.py``
-writes ``loss_mask`` 1 exactly on the action ranges and 0 elsewhere, and ``weight_versions`` the turn's version on
-its range and -1 elsewhere.
+Reading (``source.arrow_chunk``): ``token_ids`` come as the packed little-endian copy
+(``trajectories.token_ids_le``, migration 0005), ``logprobs`` as the packed logprobs of the sampled tokens only
+(``sampled_logprobs_le``, migration 0008), both read in place from the Arrow batch's buffer (no byte swap, no
+per-element work on either side; ``int4[]`` would cost the server one send call per element). ``loss_mask`` and
+``weight_versions`` are not read at all, and ``logprobs`` is read only where it can be nonzero: a ``Chunk``
+rebuilds them for the whole chunk from the action ranges (with one weight version per range, ``action_versions``)
+when first used, because ``recorder/assembly.py`` writes ``loss_mask`` 1 exactly on the action ranges and 0
+elsewhere, ``weight_versions`` the turn's version on its range and -1 elsewhere, and ``logprobs`` the engine's
+logprob on the ranges and 0.0 elsewhere.
 
 A ``Chunk`` is also a sequence of row dicts (arrays as views into the flat arrays) for per-row code: the
 ``records.py`` mappers, JSONL, re-scoring. ``tables.py`` builds Arrow tables from the columns directly.
@@ -31,7 +33,7 @@ ARRAYS = ("token_ids", "loss_mask", "logprobs", "weight_versions")
 """The per-token arrays of a row, aligned position by position."""
 
 PACKED = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4")}
-"""The arrays read as packed little-endian bytes, and their element type."""
+"""The arrays read as packed little-endian bytes, and their element type (``logprobs``: the sampled tokens')."""
 
 JSON_FIELDS = ("task", "drifts")
 """Row fields stored as jsonb: a ``Chunk`` holds them as Python values (``Chunk.json``)."""
@@ -108,6 +110,20 @@ def runs(total: int, lo: np.ndarray, hi: np.ndarray, inside: Any, outside: Any, 
     return np.repeat(values, lengths)
 
 
+def spread(total: int, lo: np.ndarray, hi: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``total`` float32 values: ``values`` laid on the sorted, disjoint spans ``[lo[k], hi[k])`` in order, 0.0
+    elsewhere (the logprobs of a chunk from its sampled tokens' ones)."""
+    out = np.zeros(total, np.float32)
+    if len(values):
+        out[runs(total, lo, hi, True, False, np.bool_)] = values
+    return out
+
+
+def sampled_of(full: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The values of ``full`` on the spans ``[lo[k], hi[k])``, in order (``spread``'s inverse on them)."""
+    return full[runs(len(full), lo, hi, True, False, np.bool_)]
+
+
 REBUILT = {"loss_mask": (1, 0), "weight_versions": (None, -1)}
 """The arrays rebuilt from the action ranges: (value on a range, None for the range's weight version; value
 elsewhere)."""
@@ -153,17 +169,22 @@ class Spans:
 
 
 class _Arrays(dict[str, np.ndarray]):
-    """A chunk's per-token arrays: ``loss_mask`` and ``weight_versions`` are rebuilt from the action ranges when
-    first asked for (a record shape that needs neither never builds them)."""
+    """A chunk's per-token arrays: ``loss_mask`` and ``weight_versions`` are rebuilt from the action ranges, and
+    ``logprobs`` spread from the sampled tokens' ones, when first asked for (a record shape that needs none of them
+    never builds them)."""
 
-    def __init__(self, given: dict[str, np.ndarray], total: int, ranges: Spans) -> None:
+    def __init__(self, given: dict[str, np.ndarray], total: int, ranges: Spans,
+                 sampled_logprobs: np.ndarray | None = None) -> None:
         super().__init__(given)
-        self._total, self._ranges = total, ranges
+        self._total, self._ranges, self._sampled = total, ranges, sampled_logprobs
 
     def __missing__(self, name: str) -> np.ndarray:
+        r = self._ranges
+        if name == "logprobs" and self._sampled is not None:
+            got = self[name] = spread(self._total, r.lo, r.hi, self._sampled)
+            return got
         if name not in REBUILT:
             raise KeyError(name)
-        r = self._ranges
         assert r.versions is not None
         got = self[name] = rebuilt(name, self._total, r.lo, r.hi, r.versions)
         return got
@@ -234,23 +255,26 @@ class Chunk(Sequence[dict[str, Any]]):
                    np.zeros(1, np.int64), none, none)
 
     @classmethod
-    def build(cls, columns: Mapping[str, Sequence[Any] | pa.Array], token_ids: np.ndarray, logprobs: np.ndarray,
-              lengths: np.ndarray, ranges: np.ndarray, range_counts: np.ndarray, versions: np.ndarray,
-              segments: np.ndarray, segment_counts: np.ndarray) -> Chunk:
+    def build(cls, columns: Mapping[str, Sequence[Any] | pa.Array], token_ids: np.ndarray,
+              sampled_logprobs: np.ndarray, lengths: np.ndarray, ranges: np.ndarray, range_counts: np.ndarray,
+              versions: np.ndarray, segments: np.ndarray, segment_counts: np.ndarray) -> Chunk:
         """A chunk from its per-row scalar columns (Arrow arrays or sequences; ``JSON_FIELDS`` as Python values), its
-        two flat sampled arrays (``lengths`` per row), its action ranges (k x 2, relative to their row;
-        ``range_counts`` per row) with one weight version each (-1: none), and its segments (m x 2,
-        ``segment_counts`` per row; a row without any gets one covering it): the ranges and segments are checked,
-        ``loss_mask`` and ``weight_versions`` rebuilt (when first used)."""
+        flat token ids (``lengths`` per row), the logprobs of its sampled tokens (those inside the action ranges, in
+        order), its action ranges (k x 2, relative to their row; ``range_counts`` per row) with one weight version
+        each (-1: none), and its segments (m x 2, ``segment_counts`` per row; a row without any gets one covering
+        it): the ranges and segments are checked; ``logprobs``, ``loss_mask`` and ``weight_versions`` rebuilt (when
+        first used)."""
         n = len(lengths)
-        if len(token_ids) != len(logprobs) or int(np.sum(lengths)) != len(token_ids):
-            raise SchemaError("token_ids and logprobs of a trajectory differ in length")
+        if int(np.sum(lengths)) != len(token_ids):
+            raise SchemaError("token_ids and num_tokens of a trajectory differ in length")
         for name, col in columns.items():
             if len(col) != n:
                 raise SchemaError(f"column {name} has {len(col)} values for {n} rows")
         if len(versions) != len(ranges):
             raise SchemaError("one weight version per action range expected")
         lo, hi = _spans(lengths, ranges, range_counts, "action ranges")
+        if int((hi - lo).sum()) != len(sampled_logprobs):
+            raise SchemaError(f"{len(sampled_logprobs)} sampled logprobs for {int((hi - lo).sum())} sampled tokens")
         if np.any(segment_counts == 0):  # a row without segments is one segment
             per_row = np.split(segments, np.cumsum(segment_counts)[:-1]) if n else []
             segments = np.concatenate([s if len(s) else np.array([[0, k]], np.int64)
@@ -262,13 +286,14 @@ class Chunk(Sequence[dict[str, Any]]):
                  for name, col in columns.items() if name not in JSON_FIELDS}
         json = {name: list(col) for name, col in columns.items() if name in JSON_FIELDS}
         spans = Spans(lo, hi, offsets(range_counts), vers)
-        return cls(arrow, json, _Arrays({"token_ids": token_ids, "logprobs": logprobs}, len(token_ids), spans),
+        return cls(arrow, json, _Arrays({"token_ids": token_ids}, len(token_ids), spans, sampled_logprobs),
                    offsets(lengths), spans, Spans(seg_lo, seg_hi, offsets(segment_counts)))
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> Chunk:
-        """A chunk of row dicts holding numpy/list arrays (tests, examples): ``loss_mask`` and ``weight_versions``
-        are taken as given (they must agree with the ranges), ``range_versions`` derived from them when missing."""
+        """A chunk of row dicts holding numpy/list arrays (tests, examples): ``logprobs``, ``loss_mask`` and
+        ``weight_versions`` are taken as given (they must agree with the ranges), ``range_versions`` derived from
+        them when missing."""
         lengths = np.fromiter((len(r["token_ids"]) for r in rows), np.int64, len(rows))
         ranges = [r.get("action_ranges") or [] for r in rows]
         versions = [r["range_versions"] if r.get("range_versions") is not None else
@@ -285,10 +310,16 @@ class Chunk(Sequence[dict[str, Any]]):
         def cat(name: str, dt: type) -> np.ndarray:
             return np.concatenate([np.asarray(r[name], dt) for r in rows]) if rows else np.empty(0, dt)
 
-        chunk = cls.build(columns, cat("token_ids", np.int32), cat("logprobs", np.float32), lengths, flat(ranges),
-                          np.fromiter(map(len, ranges), np.int64, len(rows)),
-                          np.array([-1 if v is None else v for v in chain.from_iterable(versions)], np.int64),
+        logprobs = cat("logprobs", np.float32)
+        if len(logprobs) != int(lengths.sum()):
+            raise SchemaError("token_ids and logprobs of a trajectory differ in length")
+        range_counts = np.fromiter(map(len, ranges), np.int64, len(rows))
+        lo, hi = _spans(lengths, flat(ranges), range_counts, "action ranges")
+        chunk = cls.build(columns, cat("token_ids", np.int32), sampled_of(logprobs, lo, hi), lengths, flat(ranges),
+                          range_counts, np.array([-1 if v is None else v for v in chain.from_iterable(versions)],
+                                                 np.int64),
                           flat(segments), np.fromiter(map(len, segments), np.int64, len(rows)))
+        chunk.arrays["logprobs"] = logprobs
         chunk.arrays["loss_mask"] = cat("loss_mask", np.int32)
         chunk.arrays["weight_versions"] = cat("weight_versions", np.int32)
         return chunk

@@ -100,16 +100,17 @@ KEY_COLUMNS = ("episode_id", "attempt", "reward", "advantage", "group_size")
 ROW_SQL = {
     "episode_id": "t.episode_id", "batch_id": "t.batch_id", "group_id": "t.group_id", "group_index": "e.group_index",
     "env": "t.env", "attempt": "t.attempt", "status": "t.status", "failure_class": "t.failure_class",
-    "rollout_reward": "t.reward", "token_ids": "t.token_ids_le", "logprobs": "t.logprobs_le",
+    "rollout_reward": "t.reward", "token_ids": "t.token_ids_le", "logprobs": "t.sampled_logprobs_le",
     "range_versions": "t.action_versions",
     "action_ranges": "t.action_ranges", "segments": "t.segments", "num_segments": "t.num_segments",
     "token_check": "t.token_check", "drifts": "t.drifts", "prompt_len": "t.prompt_len", "num_tokens": "t.num_tokens",
     "num_sampled_tokens": "t.num_sampled_tokens", "num_turns": "t.num_turns", "created_at": "t.created_at",
     "task": "e.task", "prompt_text": "e.prompt_text",
 }
-"""Each field of a stored row and the SQL that reads it. ``token_ids`` and ``logprobs`` come as their packed
-little-endian copies; ``loss_mask`` and ``weight_versions`` are not read: ``rows.rebuild_flat`` derives them
-from ``action_ranges`` and each range's weight version (``range_versions``, stored as ``action_versions``)."""
+"""Each field of a stored row and the SQL that reads it. ``token_ids`` comes as its packed little-endian copy,
+``logprobs`` as the packed logprobs of the sampled tokens only (``sampled_logprobs_le``); ``loss_mask`` and
+``weight_versions`` are not read: ``rows`` derives them (and lays the logprobs back, 0.0 elsewhere) from
+``action_ranges`` and each range's weight version (``range_versions``, stored as ``action_versions``)."""
 
 ROW_COLUMNS = tuple(ROW_SQL)
 ALWAYS_READ = ("episode_id", "attempt", "token_ids", "logprobs", "range_versions", "action_ranges", "segments",

@@ -116,16 +116,20 @@ def arrow_chunk(batch: pa.RecordBatch, names: tuple[str, ...], reward_source: st
             columns[name] = col
     columns["reward_source"] = pa.array([reward_source] * batch.num_rows, pa.string())
     token_ids, tok_sizes = _packed(batch.column("token_ids"), PACKED["token_ids"])
-    logprobs, lp_sizes = _packed(batch.column("logprobs"), PACKED["logprobs"])
+    sampled, lp_sizes = _packed(batch.column("logprobs"), PACKED["logprobs"])
     lengths = pc.fill_null(batch.column("num_tokens"), 0).to_numpy().astype(np.int64)
-    if np.any(tok_sizes != lp_sizes) or np.any(tok_sizes != 4 * lengths):
-        raise SchemaError("a trajectory's packed token_ids, logprobs and num_tokens disagree in length")
+    if np.any(tok_sizes != 4 * lengths):
+        raise SchemaError("a trajectory's packed token_ids and num_tokens disagree in length")
     ranges, range_values = _pairs(batch.column("action_ranges"), "action_ranges")
     versions, version_counts = _pairs(batch.column("range_versions"), "action_versions")
     segments, segment_values = _pairs(batch.column("segments"), "segments")
     if np.any(range_values % 2) or np.any(segment_values % 2) or np.any(range_values // 2 != version_counts):
         raise SchemaError("action ranges, their versions or segments are not [start, end) pairs")
-    return Chunk.build(columns, token_ids, logprobs, lengths, ranges.reshape(-1, 2), range_values // 2, versions,
+    pairs = ranges.reshape(-1, 2)
+    row = np.repeat(np.arange(batch.num_rows), range_values // 2)
+    if np.any(np.bincount(row, pairs[:, 1] - pairs[:, 0], batch.num_rows) * 4 != lp_sizes):
+        raise SchemaError("a trajectory's packed sampled logprobs and action ranges disagree in length")
+    return Chunk.build(columns, token_ids, sampled, lengths, pairs, range_values // 2, versions,
                        segments.reshape(-1, 2), segment_values // 2)
 
 

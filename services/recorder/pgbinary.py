@@ -75,9 +75,16 @@ def int2_array(values: np.ndarray) -> bytes:
 
 
 def packed_le(values: np.ndarray, dtype: str) -> bytes:
-    """A ``bytea`` of packed little-endian values (``trajectories.token_ids_le`` / ``logprobs_le``), the same
-    values as ``int4_array`` / ``float4_array`` of the same array (which check the range first)."""
+    """A ``bytea`` of packed little-endian values (``trajectories.token_ids_le`` / ``sampled_logprobs_le``), the
+    same values as ``int4_array`` / ``float4_array`` of the same array (which check the range first)."""
     return np.asarray(values).astype(dtype, copy=False).tobytes()
+
+
+def sampled(values: np.ndarray, ranges: Sequence[Sequence[int]]) -> np.ndarray:
+    """The values inside the ``[start, end)`` ranges, in order (``sampled_logprobs_le``: the logprobs of the
+    sampled tokens; migration 0008)."""
+    arr = np.asarray(values)
+    return np.concatenate([arr[a:b] for a, b in ranges]) if len(ranges) else arr[:0]
 
 
 def int4_matrix(rows: Sequence[Sequence[int]], width: int) -> bytes:
@@ -256,7 +263,8 @@ def trajectory_row(episode_id: str, batch_id: str, group_id: str, env: str, atte
             _I4_FIELD.pack(4, traj.num_sampled_tokens), _I4_FIELD.pack(4, traj.num_turns),
             field(int4_matrix(traj.segments, 2)), _I4_FIELD.pack(4, len(traj.segments)),
             NULL if token_check is None else text(token_check), jsonb(list(drifts)),
-            field(packed_le(traj.token_ids, "<i4")), field(packed_le(traj.logprobs, "<f4")),
+            field(packed_le(traj.token_ids, "<i4")),
+            field(packed_le(sampled(traj.logprobs, traj.action_ranges), "<f4")),
             field(int4_array(np.array([traj.weight_versions[a] for a, _ in traj.action_ranges], np.int64))),
         ))
     except (struct.error, OverflowError, UnicodeError) as exc:

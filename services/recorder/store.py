@@ -132,7 +132,7 @@ class TrajectoryWrite:
 _TRAJECTORY_COLS = ("episode_id", "batch_id", "group_id", "env", "attempt", "status", "failure_class", "reward",
                     "token_ids", "loss_mask", "logprobs", "weight_versions", "action_ranges", "prompt_len",
                     "num_tokens", "num_sampled_tokens", "num_turns", "segments", "num_segments", "token_check",
-                    "drifts", "token_ids_le", "logprobs_le", "action_versions")
+                    "drifts", "token_ids_le", "sampled_logprobs_le", "action_versions")
 
 _UPSERT_TRAJECTORIES = (
     f"INSERT INTO trajectories ({', '.join(_TRAJECTORY_COLS)}) "
@@ -144,7 +144,8 @@ _UPSERT_TRAJECTORIES = (
     "prompt_len = excluded.prompt_len, num_tokens = excluded.num_tokens, "
     "num_sampled_tokens = excluded.num_sampled_tokens, num_turns = excluded.num_turns, "
     "segments = excluded.segments, num_segments = excluded.num_segments, token_check = excluded.token_check, "
-    "drifts = excluded.drifts, token_ids_le = excluded.token_ids_le, logprobs_le = excluded.logprobs_le, "
+    "drifts = excluded.drifts, token_ids_le = excluded.token_ids_le, "
+    "sampled_logprobs_le = excluded.sampled_logprobs_le, "
     "action_versions = excluded.action_versions, "
     "created_at = now() "
     "WHERE trajectories.attempt < excluded.attempt"

@@ -1,5 +1,6 @@
 """The exporter does not read ``loss_mask`` and ``weight_versions``: it rebuilds them from ``action_ranges`` and one
-weight version per range (``rows.rebuild_sampled``). On trajectories the real recorder assembled (real NATS and
+weight version per range (``rows.rebuild_sampled``), and reads the logprobs of the sampled tokens only
+(``sampled_logprobs_le``), laid back on the ranges. On trajectories the real recorder assembled (real NATS and
 Postgres) the rebuilt arrays equal the stored ones: several turns and versions, an empty sampled turn, a retried
 turn, several segments, and a failed episode's partial trajectory."""
 
@@ -97,3 +98,4 @@ async def test_rebuilt_mask_and_versions_equal_the_stored_arrays(nc: bus.NATS, n
     for rec in pq.read_table(out.path).to_pylist():
         s = stored[rec["episode_id"]]
         assert (rec["loss_mask"], rec["weight_versions"]) == (s["loss_mask"], s["weight_versions"])
+        assert np.array(rec["logprobs"], np.float32).tobytes() == np.array(s["logprobs"], np.float32).tobytes()

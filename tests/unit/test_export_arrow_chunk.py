@@ -1,6 +1,7 @@
 """``source.arrow_chunk`` turns a batch of the export query's rows, as ADBC decodes them into Arrow, into a
-``Chunk``: packed arrays read in place (also from a slice that starts inside the batch's buffers), 2-D ``int4[]``
-arrays flattened into spans, NULL arrays and NULL versions handled, jsonb parsed, and malformed rows refused."""
+``Chunk``: packed arrays read in place (also from a slice that starts inside the batch's buffers), the sampled
+tokens' logprobs laid back on the action ranges (0.0 elsewhere), 2-D ``int4[]`` arrays flattened into spans, NULL
+arrays and NULL versions handled, jsonb parsed, and malformed rows refused."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ ROWS: list[dict[str, Any]] = [
      "drifts": []},
     {"episode_id": "e1", "token_ids": [5, 6, 7], "logprobs": [0.0, -0.25, -0.125], "action_ranges": [[1, 3], [3, 3]],
      "range_versions": [9, None], "segments": None, "task": {"b": 1, "a": [2]}, "drifts": [{"at": 1}]},
-    {"episode_id": "e2", "token_ids": [2**31 - 1, -(2**31)], "logprobs": [-3.0, -4.0], "action_ranges": None,
+    {"episode_id": "e2", "token_ids": [2**31 - 1, -(2**31)], "logprobs": [0.0, 0.0], "action_ranges": None,
      "range_versions": None, "segments": [[0, 1], [1, 2]], "task": "a plain string", "drifts": None},
     {"episode_id": "e3", "token_ids": [9], "logprobs": [-0.5], "action_ranges": [[0, 1]], "range_versions": [3],
      "segments": [[0, 1]], "task": None, "drifts": []},
@@ -38,6 +39,11 @@ def _jsonb(value: Any) -> str | None:
 
 def _packed(values: list[Any], dtype: str) -> bytes:
     return np.array(values, dtype).tobytes()
+
+
+def _sampled(row: dict[str, Any]) -> bytes:
+    """``sampled_logprobs_le``: the logprobs inside the action ranges, in order."""
+    return b"".join(_packed(row["logprobs"][a:b], "<f4") for a, b in row["action_ranges"] or [])
 
 
 def batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
@@ -59,7 +65,7 @@ def batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
         "status": pa.array(["completed", "truncated", None, "failed"][:n]),
         "rollout_reward": pa.array([1.0, None, 0.0, 2.0][:n], pa.float64()),
         "token_ids": pa.array([_packed(r["token_ids"], "<i4") for r in rows], pa.binary()),
-        "logprobs": pa.array([_packed(r["logprobs"], "<f4") for r in rows], pa.binary()),
+        "logprobs": pa.array([_sampled(r) for r in rows], pa.binary()),
         "range_versions": pa.array([r["range_versions"] for r in rows], pa.list_(pa.int32())),
         "action_ranges": pa.array([flat(r["action_ranges"]) for r in rows], pa.list_(pa.int32())),
         "segments": pa.array([flat(r["segments"]) for r in rows], pa.list_(pa.int32())),
@@ -124,6 +130,10 @@ def test_jsonb_texts_are_parsed_once_per_distinct_text() -> None:
 @pytest.mark.parametrize(("column", "value", "message"), [
     ("token_ids", pa.array([b"\x01\x00\x00"] * 4, pa.binary()), "whole number"),
     ("num_tokens", pa.array([4, 3, 2, 2], pa.int32()), "disagree in length"),
+    ("logprobs", pa.array([_packed([-0.5], "<f4"), _packed([-0.25, -0.125], "<f4"), b"",
+                           _packed([-0.5, 0.0], "<f4")], pa.binary()), "sampled logprobs and action ranges"),
+    ("logprobs", pa.array([_packed([-0.5, -1.5, -0.25], "<f4"), _packed([-0.125], "<f4"), b"",
+                           _packed([-0.5], "<f4")], pa.binary()), "sampled logprobs and action ranges"),
     ("action_ranges", pa.array([[1, 2, 3], [1, 3, 3, 3], None, [0, 1]], pa.list_(pa.int32())), "pairs"),
     ("range_versions", pa.array([[7], [9, None], None, [3]], pa.list_(pa.int32())), "pairs"),
     ("segments", pa.array([[0, 4], None, [0, 1, 1, 3], [0, 1]], pa.list_(pa.int32())), "outside"),

@@ -8,7 +8,7 @@ import pytest
 
 from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec, group_advantages
 from rollout_ledger.services.exporter.records import SCHEMAS, Span, Unit, records, slime, spans, trl, verl
-from rollout_ledger.services.exporter.rows import Chunk, rebuild_sampled
+from rollout_ledger.services.exporter.rows import Chunk, rebuild_sampled, sampled_of, spread
 from rollout_ledger.services.exporter.selection import RewardChoice, Selection
 from rollout_ledger.services.exporter.tables import to_table
 from rollout_ledger.services.recorder.assembly import StepRecord, Trajectory, TurnRecord, assemble
@@ -121,9 +121,9 @@ def test_rebuilt_mask_and_versions_equal_what_assembly_stores() -> None:
     assert rebuild_sampled([], [], []) == ([], [])
 
 
-def test_a_built_chunk_reads_two_arrays_and_rebuilds_two() -> None:
+def test_a_built_chunk_reads_two_arrays_and_rebuilds_three() -> None:
     chunk = Chunk.build({"episode_id": ["a", "b"]}, np.array([5, 6, 7, 8, 9], np.int32),
-                        np.array([0, -0.5, -0.25, 0, 0], np.float32), np.array([5, 0]),
+                        np.array([-0.5, -0.25], np.float32), np.array([5, 0]),
                         np.array([[1, 3], [4, 4]]), np.array([2, 0]), np.array([2, -1]), np.zeros((0, 2), np.int64),
                         np.array([0, 0]))
     first, empty = chunk
@@ -132,6 +132,17 @@ def test_a_built_chunk_reads_two_arrays_and_rebuilds_two() -> None:
     assert first["segments"] == [[0, 5]] and first["range_versions"] == [2, None]
     assert first["action_ranges"] == [[1, 3], [4, 4]]
     assert empty["loss_mask"].tolist() == [] and empty["action_ranges"] == [] and empty["segments"] == [[0, 0]]
+    with pytest.raises(SchemaError, match="3 sampled logprobs for 2 sampled tokens"):
+        Chunk.build({}, np.arange(5, dtype=np.int32), np.zeros(3, np.float32), np.array([5]), np.array([[1, 3]]),
+                    np.array([1]), np.array([2]), np.zeros((0, 2), np.int64), np.array([0]))
+
+
+def test_spread_lays_the_sampled_logprobs_on_the_ranges_and_sampled_of_takes_them_back() -> None:
+    lo, hi = np.array([1, 4, 6]), np.array([3, 4, 8])
+    full = spread(9, lo, hi, np.array([-1, -2, -3, -4], np.float32))
+    assert full.dtype == np.float32 and full.tolist() == [0, -1, -2, 0, 0, 0, -3, -4, 0]
+    assert sampled_of(full, lo, hi).tolist() == [-1, -2, -3, -4]
+    assert spread(3, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float32)).tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize(("ranges", "versions", "match"), [

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
-from rollout_ledger.services.exporter.rows import Chunk, unpack
+from rollout_ledger.services.exporter.rows import Chunk, sampled_of, unpack
 from rollout_ledger.services.exporter.tables import json_column, json_rows, slices, table, to_table
 from rollout_ledger.services.exporter.writers import write_file
 from rollout_ledger.shared.errors import SchemaError
@@ -79,29 +79,30 @@ def test_chunk_rows_are_views_of_the_flat_arrays() -> None:
         chunk[20]
 
 
-def test_chunk_build_rebuilds_mask_and_versions_from_ranges() -> None:
+def test_chunk_build_rebuilds_mask_versions_and_logprobs_from_ranges() -> None:
     rows = random_rows(5, 50)
     given = Chunk.from_rows(rows)
 
-    def build(logprobs: np.ndarray, segments: list | None = None) -> Chunk:
+    def build(sampled: np.ndarray, segments: list | None = None) -> Chunk:
         segs = [r["segments"] for r in rows] if segments is None else segments
         return Chunk.build(
-            {k: list(v) for k, v in given.columns.items()}, given.arrays["token_ids"], logprobs, given.lengths,
+            {k: list(v) for k, v in given.columns.items()}, given.arrays["token_ids"], sampled, given.lengths,
             np.array([p for r in rows for p in r["action_ranges"]], np.int64).reshape(-1, 2),
             np.array([len(r["action_ranges"]) for r in rows]), given.ranges.versions,
             np.array([p for s in segs for p in s], np.int64).reshape(-1, 2), np.array([len(s) for s in segs]))
 
-    built = build(given.arrays["logprobs"])
-    for name in ("loss_mask", "weight_versions"):
-        assert built.arrays[name].tolist() == given.arrays[name].tolist()
+    sampled = sampled_of(given.arrays["logprobs"], given.ranges.lo, given.ranges.hi)
+    built = build(sampled)
+    for name in ("loss_mask", "weight_versions", "logprobs"):
+        assert built.arrays[name].tobytes() == given.arrays[name].tobytes(), name
     assert [r["segments"] for r in built] == [r["segments"] for r in rows]
-    with pytest.raises(SchemaError, match="differ in length"):
-        build(given.arrays["logprobs"][:-1])
+    with pytest.raises(SchemaError, match="sampled logprobs for"):
+        build(sampled[:-1])
     with pytest.raises(SchemaError, match="segments lies outside"):
-        build(given.arrays["logprobs"], [[[0, 10**6]]] + [r["segments"] for r in rows[1:]])
+        build(sampled, [[[0, 10**6]]] + [r["segments"] for r in rows[1:]])
     with pytest.raises(SchemaError, match="segments overlap"):
-        build(given.arrays["logprobs"], [[[0, 1], [0, 1]]] + [r["segments"] for r in rows[1:]])
-    no_segments = build(given.arrays["logprobs"], [[] for _ in rows])
+        build(sampled, [[[0, 1], [0, 1]]] + [r["segments"] for r in rows[1:]])
+    no_segments = build(sampled, [[] for _ in rows])
     assert [r["segments"] for r in no_segments] == [[[0, n]] for n in given.lengths.tolist()]
 
 
