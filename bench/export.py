@@ -1,8 +1,10 @@
 """Exporter benchmark: 100,000 stored trajectories exported from Postgres, against writing the same arrays
 straight with pyarrow; peak memory of the export process.
 
-Three figures, each in its own process (so peak RSS is that path's own), with the CPU seconds each path took in
-its own process and in Postgres (steadier than wall time on a shared machine):
+Each path runs in its own process (so peak RSS is that path's own), with the CPU seconds it took in its own
+process and in Postgres (steadier than wall time on a shared machine). The store is vacuumed after seeding (as
+autovacuum leaves it); each path runs ``--repeat`` times in rounds beside its baseline (export, write, export,
+write...), and the fastest run of each counts; the ratio of every round is printed too:
 
 - ``export``: `rollout export`'s path (SQL selection with GRPO advantages, server-side cursor, array decoding,
   record mapping, Arrow conversion, Parquet writing), timed end to end;
@@ -90,7 +92,10 @@ def seed(url: str, n: int, group: int = 8) -> float:
             "FROM episodes e JOIN tmpl t ON t.k = e.task_index %% 64 CROSS JOIN lp",
             {"len": LENGTH, "mask": mask, "lp": lp, "wv": wv, "ranges": ranges, "prompt": PROMPT,
              "sampled": TURNS * SAMPLED, "turns": TURNS})
-        conn.execute("ANALYZE")
+    # settled as autovacuum would leave it (hint bits, visibility map, statistics), so that autovacuum does not
+    # run over the fresh 100,000 rows in the middle of the measured runs (it did: 37 s of Postgres CPU in them)
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
     return time.perf_counter() - t0
 
 
@@ -170,19 +175,30 @@ def child_consumer(url: str, fmt: str, batch: int) -> dict[str, Any]:
             "peak_rss_mb": peak_rss_mb()}
 
 
-def run_child(repeat: int, postmaster_pid: int | None, *args: str) -> dict[str, Any]:
-    """The fastest of ``repeat`` runs of one path, each in a fresh process (peak RSS: the largest seen), with the
-    CPU seconds it took in its own process and in Postgres."""
-    runs = []
+def run_once(postmaster_pid: int | None, *args: str) -> dict[str, Any]:
+    """One run of one path in a fresh process, with the CPU seconds it took in its own process and in Postgres."""
+    s0 = server_cpu_s(postmaster_pid)
+    out = subprocess.run([sys.executable, "-m", "bench.export", "--child", *args], check=True,
+                         capture_output=True, text=True)
+    time.sleep(0.2)  # the backend exits after the client: let the postmaster reap it
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    return {**run, "server_cpu": server_cpu_s(postmaster_pid) - s0}
+
+
+def run_rounds(repeat: int, postmaster_pid: int | None, paths: dict[str, tuple[str, ...]]) -> dict[str, dict[str, Any]]:
+    """``repeat`` rounds of every path, one after the other within a round (a path and its baseline side by side:
+    the machine's speed drifts between minutes, not between neighbouring runs). Each path's fastest run counts
+    (peak RSS: the largest seen); ``all_seconds`` keeps every run, in round order."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
     for _ in range(repeat):
-        s0 = server_cpu_s(postmaster_pid)
-        out = subprocess.run([sys.executable, "-m", "bench.export", "--child", *args], check=True,
-                             capture_output=True, text=True)
-        time.sleep(0.2)  # the backend exits after the client: let the postmaster reap it
-        run = json.loads(out.stdout.strip().splitlines()[-1])
-        runs.append({**run, "server_cpu": server_cpu_s(postmaster_pid) - s0})
-    best = min(runs, key=lambda r: r["seconds"])
-    return {**best, "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "all_seconds": [r["seconds"] for r in runs]}
+        for name, args in paths.items():
+            runs[name].append(run_once(postmaster_pid, *args))
+    out = {}
+    for name, rs in runs.items():
+        best = min(rs, key=lambda r: r["seconds"])
+        out[name] = {**best, "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+                     "all_seconds": [r["seconds"] for r in rs]}
+    return out
 
 
 def main() -> None:
@@ -217,11 +233,12 @@ def main() -> None:
         d = Path(tmp)
         results: dict[str, dict[str, Any]] = {}
         for fmt in ("parquet", "slime"):
-            results[f"export {fmt}"] = run_child(args.repeat, pm, "export", url, str(d / f"{fmt}.parquet"), fmt)
-            results[f"pyarrow-write {fmt}"] = run_child(args.repeat, pm, "write", str(d / f"{fmt}.parquet"),
-                                                        str(d / f"w-{fmt}.parquet"))
-        results["straight"] = run_child(args.repeat, pm, "straight", url, str(d / "straight.parquet"))
-        results["consumer slime"] = run_child(args.repeat, pm, "consumer", url, "slime", "2000")
+            results.update(run_rounds(args.repeat, pm, {
+                f"export {fmt}": ("export", url, str(d / f"{fmt}.parquet"), fmt),
+                f"pyarrow-write {fmt}": ("write", str(d / f"{fmt}.parquet"), str(d / f"w-{fmt}.parquet"))}))
+        results.update(run_rounds(args.repeat, pm, {
+            "straight": ("straight", url, str(d / "straight.parquet")),
+            "consumer slime": ("consumer", url, "slime", "2000")}))
         tokens = n * LENGTH
         print(f"{'path':<24}{'records':>10}{'seconds':>9}{'traj/s':>10}{'Mtok/s':>8}{'peak RSS MB':>13}"
               f"{'CPU s':>7}{'PG CPU s':>9}")
@@ -231,7 +248,10 @@ def main() -> None:
                   f"{r['server_cpu']:>9.2f}   runs: " + " ".join(f"{x:.2f}" for x in r["all_seconds"]))
         for fmt in ("parquet", "slime"):
             ratio = results[f"pyarrow-write {fmt}"]["seconds"] / results[f"export {fmt}"]["seconds"]
-            print(f"throughput ratio export/pyarrow-write ({fmt}): {ratio:.2f} (target >= 0.5)")
+            rounds = [w / e for w, e in zip(results[f"pyarrow-write {fmt}"]["all_seconds"],
+                                            results[f"export {fmt}"]["all_seconds"], strict=True)]
+            print(f"throughput ratio export/pyarrow-write ({fmt}): {ratio:.2f} (target >= 0.5; fastest of each; "
+                  "round by round: " + " ".join(f"{r:.2f}" for r in rounds) + ")")
         ratio = results["straight"]["seconds"] / results["export parquet"]["seconds"]
         print(f"throughput ratio export/straight (full record): {ratio:.2f}")
         print(f"peak RSS of the export: {max(results[f'export {f}']['peak_rss_mb'] for f in ('parquet', 'slime')):.0f}"
