@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from rollout_ledger.services.exporter.rows import Chunk
-from rollout_ledger.services.exporter.source import _parsed, arrow_chunk
+from rollout_ledger.services.exporter.source import _parsed, arrow_chunk, rechunked
 from rollout_ledger.shared.errors import SchemaError
 
 NAMES = ("batch_id", "group_id", "status", "rollout_reward", "token_ids", "logprobs", "range_versions",
@@ -143,3 +143,17 @@ def test_malformed_rows_are_refused(column: str, value: pa.Array, message: str) 
     b = b.set_column(b.schema.get_field_index(column), column, value)
     with pytest.raises(SchemaError, match=message):
         arrow_chunk(b, NAMES, "rollout")
+
+
+def test_rechunked_cuts_driver_batches_into_chunks_of_exactly_the_asked_rows() -> None:
+    full = pa.concat_batches([batch(ROWS)] * 5)  # 20 rows, packed bytes and jsonb (an extension type) included
+    driver = [full.slice(0, 7), full.slice(7, 0), full.slice(7, 6), full.slice(13, 7)]
+    got = list(rechunked(driver, 4))
+    assert [b.num_rows for b in got] == [4, 4, 4, 4, 4]
+    assert pa.Table.from_batches(got).equals(pa.Table.from_batches([full]))
+    assert got[0].column("token_ids").buffers()[2].address == full.column("token_ids").buffers()[2].address  # a slice
+    chunks = [arrow_chunk(b, NAMES, "rollout") for b in got]  # a copied chunk reads like a sliced one
+    assert [r["episode_id"] for c in chunks for r in c] == [r["episode_id"] for r in ROWS * 5]
+    assert [r["logprobs"].tolist() for c in chunks for r in c] == [r["logprobs"] for r in ROWS * 5]
+    assert [b.num_rows for b in rechunked(driver, 8)] == [8, 8, 4]
+    assert list(rechunked([], 4)) == []
