@@ -88,17 +88,16 @@ def _pairs(col: pa.Array, what: str) -> tuple[np.ndarray, np.ndarray]:
     return values, counts
 
 
-def _parsed(texts: list[str | None]) -> list[Any]:
-    """JSON texts parsed, each distinct text once (a group's members repeat their task): rows with the same text
-    share one value, which readers must not change."""
-    memo: dict[str | None, Any] = {None: None}
-    out = []
-    for t in texts:
-        v = memo.get(t, memo)
-        if v is memo:
-            v = memo[t] = orjson.loads(t)  # type: ignore[arg-type]
-        out.append(v)
-    return out
+def _parsed(texts: pa.Array) -> list[Any]:
+    """A column of JSON texts parsed, each distinct text once (a group's members repeat their task): rows with the
+    same text share one value, which readers must not change. The distinct texts are found by Arrow (no Python
+    string per row)."""
+    encoded = pc.dictionary_encode(texts)
+    values = np.empty(len(encoded.dictionary) + 1, object)  # the last one: NULL
+    for i, text in enumerate(encoded.dictionary.to_pylist()):
+        values[i] = orjson.loads(text)
+    codes = pc.fill_null(encoded.indices, pa.scalar(len(values) - 1, encoded.indices.type))
+    return values[codes.to_numpy()].tolist()
 
 
 def arrow_chunk(batch: pa.RecordBatch, names: tuple[str, ...], reward_source: str) -> Chunk:
@@ -111,7 +110,7 @@ def arrow_chunk(batch: pa.RecordBatch, names: tuple[str, ...], reward_source: st
             continue
         col = batch.column(name)
         if name in JSON_FIELDS:
-            columns[name] = _parsed((col.storage if isinstance(col, pa.ExtensionArray) else col).to_pylist())
+            columns[name] = _parsed(col.storage if isinstance(col, pa.ExtensionArray) else col)
         else:
             columns[name] = col
     columns["reward_source"] = pa.array([reward_source] * batch.num_rows, pa.string())

@@ -53,9 +53,16 @@ def text_column(values: Sequence[Any], typ: pa.DataType) -> pa.Array:
 
 def _each_once(values: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
     """``[fn(v) for v in values]``, calling ``fn`` once per distinct object: rows whose JSON text was the same share
-    one parsed value (``source._parsed``)."""
-    memo: dict[int, Any] = {}
-    return [memo[id(v)] if id(v) in memo else memo.setdefault(id(v), fn(v)) for v in values]
+    one parsed value (``source._parsed``). The distinct objects are found by numpy over their ids (no Python
+    loop over the rows)."""
+    if not values:
+        return []
+    _, first, inverse = np.unique(np.fromiter(map(id, values), np.int64, len(values)), return_index=True,
+                                  return_inverse=True)
+    out = np.empty(len(first), object)
+    for j, i in enumerate(first.tolist()):
+        out[j] = fn(values[i])
+    return out[inverse.reshape(-1)].tolist()
 
 
 def to_table(records: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:

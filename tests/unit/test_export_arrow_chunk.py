@@ -122,9 +122,10 @@ def test_a_slice_of_a_batch_becomes_the_chunk_of_its_rows(start: int, length: in
 
 
 def test_jsonb_texts_are_parsed_once_per_distinct_text() -> None:
-    got = _parsed(['{"a": 1}', None, '{"a": 1}', "[]", '"s"'])
-    assert got == [{"a": 1}, None, {"a": 1}, [], "s"]
+    got = _parsed(pa.array(['{"a": 1}', None, '{"a": 1}', "[]", '"s"', "[1, [2]]", "null"]))
+    assert got == [{"a": 1}, None, {"a": 1}, [], "s", [1, [2]], None]
     assert got[0] is got[2]
+    assert _parsed(pa.array([], pa.string())) == [] and _parsed(pa.array([None, None], pa.string())) == [None, None]
 
 
 @pytest.mark.parametrize(("column", "value", "message"), [
