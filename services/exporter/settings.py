@@ -16,8 +16,8 @@ class ExporterSettings(BaseServiceSettings):
     export_batch_size: int = Field(256, ge=1, le=100_000)
     """Feed entries per consumer read (`--consumer`): bounds a delivery file and the reader's memory."""
     export_chunk: int = Field(2000, ge=1, le=100_000)
-    """Rows a one-shot export maps and writes at a time (at most what the driver decodes in one ~4 MiB batch):
-    memory is bounded by this and the row group, not by the export's size."""
+    """Rows a one-shot export maps and writes at a time (cut across the driver's ~4 MiB batches): memory is bounded
+    by this, the driver's batch and the row group, not by the export's size."""
     export_row_group_mb: int = Field(16, ge=1, le=4096)
     """Parquet row group size of a one-shot export, in MiB of Arrow data (memory holds about three groups). A row
     group per 500-row chunk made files twice as large (the token columns' dictionary and pages restart with every
