@@ -50,39 +50,30 @@ BEGIN
                                     AND NEW.token_ids_le IS NOT DISTINCT FROM OLD.token_ids_le) THEN
         NEW.token_ids_le := rl_pack_le(array_send(NEW.token_ids));
     END IF;
+{logprobs}
+    IF NEW.action_versions IS NULL OR (TG_OP = 'UPDATE'
+            AND (NEW.action_ranges, NEW.weight_versions) IS DISTINCT FROM (OLD.action_ranges, OLD.weight_versions)
+            AND NEW.action_versions IS NOT DISTINCT FROM OLD.action_versions) THEN
+        NEW.action_versions := rl_action_versions(NEW.action_ranges, NEW.weight_versions);
+    END IF;
+    RETURN NEW;
+END $$;
+"""
+"""The pack trigger's function (migration 0005's), with the branch that fills the logprobs copy put in."""
+
+SAMPLED = """
     IF NEW.sampled_logprobs_le IS NULL OR (TG_OP = 'UPDATE'
             AND (NEW.logprobs, NEW.action_ranges) IS DISTINCT FROM (OLD.logprobs, OLD.action_ranges)
             AND NEW.sampled_logprobs_le IS NOT DISTINCT FROM OLD.sampled_logprobs_le) THEN
         NEW.sampled_logprobs_le := rl_sampled_le(rl_pack_le(array_send(NEW.logprobs)), NEW.action_ranges);
-    END IF;
-    IF NEW.action_versions IS NULL OR (TG_OP = 'UPDATE'
-            AND (NEW.action_ranges, NEW.weight_versions) IS DISTINCT FROM (OLD.action_ranges, OLD.weight_versions)
-            AND NEW.action_versions IS NOT DISTINCT FROM OLD.action_versions) THEN
-        NEW.action_versions := rl_action_versions(NEW.action_ranges, NEW.weight_versions);
-    END IF;
-    RETURN NEW;
-END $$;
-"""
+    END IF;"""
 
-PACK_0005 = """
-CREATE OR REPLACE FUNCTION rl_trajectories_pack() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.token_ids_le IS NULL OR (TG_OP = 'UPDATE' AND NEW.token_ids IS DISTINCT FROM OLD.token_ids
-                                    AND NEW.token_ids_le IS NOT DISTINCT FROM OLD.token_ids_le) THEN
-        NEW.token_ids_le := rl_pack_le(array_send(NEW.token_ids));
-    END IF;
+WHOLE = """
     IF NEW.logprobs_le IS NULL OR (TG_OP = 'UPDATE' AND NEW.logprobs IS DISTINCT FROM OLD.logprobs
                                    AND NEW.logprobs_le IS NOT DISTINCT FROM OLD.logprobs_le) THEN
         NEW.logprobs_le := rl_pack_le(array_send(NEW.logprobs));
-    END IF;
-    IF NEW.action_versions IS NULL OR (TG_OP = 'UPDATE'
-            AND (NEW.action_ranges, NEW.weight_versions) IS DISTINCT FROM (OLD.action_ranges, OLD.weight_versions)
-            AND NEW.action_versions IS NOT DISTINCT FROM OLD.action_versions) THEN
-        NEW.action_versions := rl_action_versions(NEW.action_ranges, NEW.weight_versions);
-    END IF;
-    RETURN NEW;
-END $$;
-"""
+    END IF;"""
+"""Migration 0005's branch (the whole array packed), for the downgrade."""
 
 COMMENT = ("logprobs of the sampled tokens (inside action_ranges, in order) packed as little-endian float32 "
            "(the exporter's copy; filled when not given)")
@@ -93,7 +84,7 @@ def upgrade() -> None:
     op.execute("ALTER TABLE trajectories ADD COLUMN sampled_logprobs_le bytea")
     op.execute("ALTER TABLE trajectories ALTER COLUMN sampled_logprobs_le SET STORAGE MAIN, "
                "DROP CONSTRAINT ck_trajectories_logprobs_le, ALTER COLUMN logprobs_le DROP NOT NULL")
-    op.execute(PACK)
+    op.execute(PACK.replace("{logprobs}", SAMPLED))
     op.execute("ALTER TABLE trajectories DISABLE TRIGGER trajectories_feed_replaced")
     # the old copy is cleared in the same pass, so the rewritten rows do not carry it until the next rewrite
     op.execute("UPDATE trajectories SET sampled_logprobs_le = rl_sampled_le(logprobs_le, action_ranges), "
@@ -108,7 +99,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("ALTER TABLE trajectories ADD COLUMN logprobs_le bytea")
     op.execute("ALTER TABLE trajectories ALTER COLUMN logprobs_le SET STORAGE MAIN")
-    op.execute(PACK_0005)
+    op.execute(PACK.replace("{logprobs}", WHOLE))
     op.execute("ALTER TABLE trajectories DISABLE TRIGGER trajectories_feed_replaced")
     op.execute("UPDATE trajectories SET logprobs_le = rl_pack_le(array_send(logprobs))")
     op.execute("ALTER TABLE trajectories ENABLE TRIGGER trajectories_feed_replaced")
