@@ -151,8 +151,9 @@ def child_straight(url: str, out: Path, chunk: int) -> dict[str, Any]:
             tok, lengths = unpack([r[2] for r in rows], PACKED["token_ids"])
             sampled, _ = unpack([r[3] for r in rows], PACKED["logprobs"])
             lo, hi, vers = flat_ranges(lengths, [r[4] for r in rows], [r[5] for r in rows])
-            mask, wv = mask_and_versions(int(lengths.sum()), lo, hi, vers)
-            lp = spread(int(lengths.sum()), lo, hi, sampled)
+            total = int(lengths.sum())
+            mask, wv = mask_and_versions(total, lo, hi, vers)
+            lp = spread(total, lo, hi, sampled)
             offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
             cols: list[pa.Array] = [pa.array([r[0] for r in rows]), pa.array([r[1] for r in rows], pa.float64())]
             cols += [pa.ListArray.from_arrays(offsets, pa.array(a)) for a in (tok, lp, mask, wv)]

@@ -150,6 +150,15 @@ def rebuild_sampled(lengths: Sequence[int], ranges: Sequence[Sequence[Sequence[i
     return [mask[a:b] for a, b in cuts], [wv[a:b] for a, b in cuts]
 
 
+def by_code(distinct: Sequence[Any], codes: np.ndarray) -> list[Any]:
+    """``[distinct[c] for c in codes]`` without a Python loop over ``codes``: rows that share a value share the
+    object (JSON fields parsed or dumped once per distinct value)."""
+    values = np.empty(len(distinct), object)
+    for i, v in enumerate(distinct):  # one by one: numpy would take a list value for a nested sequence
+        values[i] = v
+    return values[codes].tolist()
+
+
 def offsets(counts: np.ndarray, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
     """``[0, c0, c0 + c1, ...]``: where each of ``counts`` consecutive runs starts (and the total)."""
     out: np.ndarray = np.zeros(len(counts) + 1, dtype)

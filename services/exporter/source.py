@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from psycopg import sql
 from psycopg.types.json import set_json_loads
 
-from rollout_ledger.services.exporter.rows import JSON_FIELDS, PACKED, Chunk
+from rollout_ledger.services.exporter.rows import JSON_FIELDS, PACKED, Chunk, by_code
 from rollout_ledger.services.exporter.selection import (
     KEY_COLUMNS,
     PACKED_FIELDS,
@@ -93,11 +93,9 @@ def _parsed(texts: pa.Array) -> list[Any]:
     same text share one value, which readers must not change. The distinct texts are found by Arrow (no Python
     string per row)."""
     encoded = pc.dictionary_encode(texts)
-    values = np.empty(len(encoded.dictionary) + 1, object)  # the last one: NULL
-    for i, text in enumerate(encoded.dictionary.to_pylist()):
-        values[i] = orjson.loads(text)
+    values = [*map(orjson.loads, encoded.dictionary.to_pylist()), None]  # the last one: NULL
     codes = pc.fill_null(encoded.indices, pa.scalar(len(values) - 1, encoded.indices.type))
-    return values[codes.to_numpy()].tolist()
+    return by_code(values, codes.to_numpy())
 
 
 def arrow_chunk(batch: pa.RecordBatch, names: tuple[str, ...], reward_source: str) -> Chunk:

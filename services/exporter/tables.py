@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollout_ledger.services.exporter.records import _SLIME_STATUS, SCHEMAS, Unit
-from rollout_ledger.services.exporter.rows import Chunk, offsets, runs
+from rollout_ledger.services.exporter.rows import Chunk, by_code, offsets, runs
 
 
 def _json_text(v: Any) -> Any:
@@ -59,10 +59,7 @@ def _each_once(values: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
         return []
     _, first, inverse = np.unique(np.fromiter(map(id, values), np.int64, len(values)), return_index=True,
                                   return_inverse=True)
-    out = np.empty(len(first), object)
-    for j, i in enumerate(first.tolist()):
-        out[j] = fn(values[i])
-    return out[inverse.reshape(-1)].tolist()
+    return by_code([fn(values[i]) for i in first.tolist()], inverse.reshape(-1))
 
 
 def to_table(records: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:
