@@ -5,7 +5,7 @@ inside the trainer process; each agent call sends the whole message history; the
 template over the whole history and re-tokenises it, checks prefix stability against the session's previous
 call, "generates" with a zero-cost engine and keeps token traces in memory. Nothing is durable.
 
-It uses the same tokenizer and chat template as Rollout Ledger (shared/chat.py) and the same zero-cost
+It uses the same tokenizer and chat template as Rollout Ledger (shared/kit/chat.py) and the same zero-cost
 responder as the fake engine, so the difference measured is the design, not the parts.
 """
 
@@ -21,8 +21,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
-from rollout_ledger.shared.chat import load_chat_tokenizer
 from rollout_ledger.shared.events import SamplingParams
+from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 
 
 def build_app(model_dir: str) -> tuple[FastAPI, dict[str, list[dict[str, Any]]]]:
@@ -92,7 +92,7 @@ if __name__ == "__main__":
     import json
     import sys
 
-    from rollout_ledger.shared.settings import default_model_dir
+    from rollout_ledger.shared.kit.settings import default_model_dir
 
     for t in (1, 8, 32):
         print(json.dumps(asyncio.run(run(str(default_model_dir()), max(1, 2000 // t), t))))

@@ -40,9 +40,9 @@ from rollout_ledger.services.inference_worker.vllm_engine import (
     engine_kwargs,
     sampling_params,
 )
-from rollout_ledger.shared.chat import load_chat_tokenizer
 from rollout_ledger.shared.events import SamplingParams
-from rollout_ledger.shared.settings import default_model_dir
+from rollout_ledger.shared.kit.chat import load_chat_tokenizer
+from rollout_ledger.shared.kit.settings import default_model_dir
 
 FOLLOW_UPS = ("Tell me more.", "Why is that?", "Give another example.", "Summarise that in one sentence.",
               "What else?", "Continue.")

@@ -113,8 +113,8 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
     import httpx
     from sqlalchemy import create_engine, text
 
+    from rollout_ledger.cli.stack.devstack import DevStack
     from rollout_ledger.migrations.runner import sync_url
-    from rollout_ledger.services.devstack import DevStack
 
     env = {"ROLLOUT_VLLM_MAX_MODEL_LEN": str(args.max_model_len), "ROLLOUT_MAX_MODEL_LEN": str(args.max_model_len)}
     with DevStack(scheduler_port=None, engine="vllm", echo=lambda m: print(m, file=sys.stderr),
@@ -256,7 +256,7 @@ def replay(spec_path: Path, out_path: Path) -> None:
 
 
 def main() -> None:
-    from rollout_ledger.shared.settings import default_model_dir
+    from rollout_ledger.shared.kit.settings import default_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(default_model_dir()))

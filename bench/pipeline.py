@@ -27,8 +27,8 @@ import numpy as np
 import psutil
 from sqlalchemy import create_engine, text
 
+from rollout_ledger.cli.stack.devstack import DevStack
 from rollout_ledger.migrations.runner import sync_url
-from rollout_ledger.services.devstack import DevStack
 
 
 @dataclass
@@ -178,7 +178,7 @@ def main() -> None:
                           "rss_growth_pct": sampler.growth(), "rss_deciles_mb": sampler.deciles()}), flush=True)
     if not args.skip_baseline:
         from bench.baseline_openrlhf import run as baseline
-        from rollout_ledger.shared.settings import default_model_dir
+        from rollout_ledger.shared.kit.settings import default_model_dir
 
         for t in shapes:
             res = asyncio.run(baseline(str(default_model_dir()), max(1, total // t), t))

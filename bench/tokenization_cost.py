@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from rollout_ledger.services.env_worker.tokenization import Transcript, TurnTemplate
-from rollout_ledger.shared.chat import load_chat_tokenizer
-from rollout_ledger.shared.settings import default_model_dir
+from rollout_ledger.shared.kit.chat import load_chat_tokenizer
+from rollout_ledger.shared.kit.settings import default_model_dir
 
 TURNS = 40
 CONVERSATIONS = 300

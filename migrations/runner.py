@@ -21,7 +21,7 @@ def alembic_config(database_url: str | None = None) -> Config:
 
 def sync_url(database_url: str) -> str:
     """The same DSN for a synchronous psycopg 3 engine (Alembic runs synchronously)."""
-    from rollout_ledger.shared.settings import normalize_database_url
+    from rollout_ledger.shared.kit.settings import normalize_database_url
 
     return normalize_database_url(database_url).replace("%", "%%")
 
@@ -39,3 +39,29 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 
 def downgrade(database_url: str, revision: str) -> None:
     command.downgrade(alembic_config(database_url), revision)
+
+
+async def wait_for_schema(database_url: str, timeout_s: float, interval_s: float = 2.0) -> None:
+    """Return once ``database_url`` is at this code's head revision; raise the last error after ``timeout_s``
+    (``rollout db wait-schema``: the init container of every long-running workload that uses Postgres)."""
+    import asyncio
+    import sys
+    import time
+
+    from rollout_ledger.shared.db import check_schema, create_engine
+    from rollout_ledger.shared.errors import RolloutError
+
+    engine = create_engine(database_url, pool_size=1)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                await check_schema(engine)
+                return
+            except RolloutError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                print(f"waiting for the schema: {exc}", file=sys.stderr, flush=True)
+                await asyncio.sleep(interval_s)
+    finally:
+        await engine.dispose()

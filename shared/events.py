@@ -22,8 +22,8 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from rollout_ledger.shared.arrays import Floats, TokenIds
 from rollout_ledger.shared.errors import SchemaError
-from rollout_ledger.shared.tokens import Floats, TokenIds
 
 SCHEMA_VERSION = 1
 
@@ -310,7 +310,7 @@ _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 
 def encode(event: BaseModel) -> bytes:
-    """Bus bytes of an event: a msgpack map, token arrays as raw little-endian ``bin`` (see shared/tokens.py)."""
+    """Bus bytes of an event: a msgpack map, token arrays as raw little-endian ``bin`` (see shared/arrays.py)."""
     return msgpack.packb(event.model_dump(mode="python"), datetime=True)
 
 

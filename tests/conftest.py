@@ -23,10 +23,10 @@ import pytest
 import pytest_asyncio
 from nats.js.errors import ServerError
 
-from rollout_ledger.services.localinfra import LocalInfra
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.settings import default_model_dir, normalize_database_url
+from rollout_ledger.cli.stack.servers import LocalInfra
+from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.settings import default_model_dir, normalize_database_url
 from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, STREAMS
 
 
@@ -143,7 +143,7 @@ async def nc(nats_url: str) -> AsyncIterator[bus.NATS]:
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     """The SmolLM2 tokenizer (and weights when already converted), fetched once and cached."""
-    from rollout_ledger.services.modelstore import fetch, is_complete
+    from rollout_ledger.cli.modelstore import fetch, is_complete
 
     out = default_model_dir()
     path = fetch(out, with_weights=is_complete(out, True))

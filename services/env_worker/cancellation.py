@@ -8,7 +8,7 @@ import contextlib
 from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import CANCEL_BUCKET
 
 log = get_logger(__name__)

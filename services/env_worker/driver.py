@@ -29,12 +29,12 @@ import structlog
 from nats.js import JetStreamContext
 
 from rollout_ledger.services.env_worker.context import uses_window, windowed
-from rollout_ledger.services.env_worker.envs import Env, EnvRegistry, UnknownEnvError
 from rollout_ledger.services.env_worker.inference_client import InferenceClient
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.tokenization import Transcript, TurnTemplate
-from rollout_ledger.shared.bus import msg_id_headers, publish_event
+from rollout_ledger.services.envs.base import Env
+from rollout_ledger.services.envs.registry import EnvRegistry, UnknownEnvError
 from rollout_ledger.shared.errors import BusError, EnvError, InferenceError, TokenizationError
 from rollout_ledger.shared.events import (
     EpisodeCancelled,
@@ -49,8 +49,9 @@ from rollout_ledger.shared.events import (
     TurnGenerated,
     encode,
 )
-from rollout_ledger.shared.logging import get_logger
-from rollout_ledger.shared.publisher import StreamPublisher
+from rollout_ledger.shared.kit.bus import msg_id_headers, publish_event
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.subjects import event_subject
 
 log = get_logger(__name__)

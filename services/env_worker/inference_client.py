@@ -26,10 +26,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from rollout_ledger.shared.backoff import backoff_delay
 from rollout_ledger.shared.errors import InferenceError, SchemaError
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, decode_as, encode
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.backoff import backoff_delay
+from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import INFER_ANY, INFER_CANCEL, INFER_HEARTBEAT
 
 log = get_logger(__name__)

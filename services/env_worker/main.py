@@ -6,17 +6,18 @@ import asyncio
 import os
 from pathlib import Path
 
-from rollout_ledger.services.env_worker.envs import EnvRegistry, builtin_registry
-from rollout_ledger.services.env_worker.envs.remote import RemoteEnvs
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.env_worker.worker import EnvWorker
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer, ModelNotFoundError, load_chat_tokenizer
-from rollout_ledger.shared.logging import configure_logging, get_logger
-from rollout_ledger.shared.runtime import Health, HttpServer, Shutdown, ops_app
+from rollout_ledger.services.envs.builtins import builtin_registry
+from rollout_ledger.services.envs.registry import EnvRegistry
+from rollout_ledger.services.envs.remote import RemoteEnvs
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer, ModelNotFoundError, load_chat_tokenizer
+from rollout_ledger.shared.kit.logging import configure_logging, get_logger
+from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app
 
 log = get_logger(__name__)
 

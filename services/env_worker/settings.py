@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from rollout_ledger.services.env_worker.envs.remote import RemoteConfig, RemoteEndpoint, parse_remote_envs
+from rollout_ledger.services.envs.remote import RemoteConfig, RemoteEndpoint, parse_remote_envs
 from rollout_ledger.shared.events import FailureClass
-from rollout_ledger.shared.settings import BaseServiceSettings
+from rollout_ledger.shared.kit.settings import BaseServiceSettings
 
 
 class EnvWorkerSettings(BaseServiceSettings):
@@ -65,7 +65,7 @@ class EnvWorkerSettings(BaseServiceSettings):
 
     remote_envs: str = ""
     """Remote environment actors, ``name=http://host:port,...``: each is registered as the env ``remote:<name>``
-    and served at ``http://host:port/<name>/{env_id}/...`` (the protocol of services/env_worker/envs/remote.py;
+    and served at ``http://host:port/<name>/{env_id}/...`` (the protocol of services/envs/remote.py;
     ``rollout envserver`` is a reference server)."""
     remote_timeout_s: float = Field(10.0, gt=0)
     """Timeout of one request to a remote env."""

@@ -48,8 +48,8 @@ import jinja2
 import jinja2.meta
 import numpy as np
 
-from rollout_ledger.shared.chat import ChatTokenizer
 from rollout_ledger.shared.errors import TokenizationError
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 
 Message = dict[str, Any]
 

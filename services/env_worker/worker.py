@@ -13,19 +13,19 @@ from nats.js import JetStreamContext
 
 from rollout_ledger.services.env_worker.cancellation import CancelWatch
 from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
-from rollout_ledger.services.env_worker.envs import EnvRegistry
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
-from rollout_ledger.shared import bus
+from rollout_ledger.services.envs.registry import EnvRegistry
 from rollout_ledger.shared.errors import BusError, SchemaError
 from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
-from rollout_ledger.shared.logging import get_logger
-from rollout_ledger.shared.publisher import StreamPublisher
-from rollout_ledger.shared.runtime import Health, Shutdown, sleep_or_shutdown
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.publisher import StreamPublisher
+from rollout_ledger.shared.kit.runtime import Health, Shutdown, sleep_or_shutdown
 from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_CONSUMER, WORK_STREAM, WORK_SUBJECT, env_key
 
 log = get_logger(__name__)

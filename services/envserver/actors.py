@@ -25,7 +25,8 @@ from typing import Any
 
 import orjson
 
-from rollout_ledger.services.env_worker.envs import Env, EnvRegistry, Message, StepResult
+from rollout_ledger.services.envs.base import Env, Message, StepResult
+from rollout_ledger.services.envs.registry import EnvRegistry
 
 
 class ActorNotFound(LookupError):

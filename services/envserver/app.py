@@ -1,6 +1,6 @@
 """The reference environment server's HTTP app: the remote actor protocol over an ``ActorTable``.
 
-Routes (see ``services/env_worker/envs/remote.py`` for the client side and the shapes):
+Routes (see ``services/envs/remote.py`` for the client side and the shapes):
 ``POST /{env}/{env_id}/reset``, ``GET /{env}/{env_id}/get_task_prompt``, ``POST /{env}/{env_id}/step``,
 ``DELETE /{env}/{env_id}``, plus ``GET /envs`` (what it serves), ``GET /stats`` (requests seen, by kind and
 status class) and ``/healthz``.
@@ -19,9 +19,10 @@ from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_ledger.services.env_worker.envs import TaskError, UnknownEnvError
+from rollout_ledger.services.envs.base import TaskError
+from rollout_ledger.services.envs.registry import UnknownEnvError
 from rollout_ledger.services.envserver.actors import ActorConflict, ActorNotFound, ActorTable
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import uvicorn
 
-from rollout_ledger.services.env_worker.envs import builtin_registry
+from rollout_ledger.services.envs.builtins import builtin_registry
 from rollout_ledger.services.envserver.actors import ActorTable
 from rollout_ledger.services.envserver.app import create_app
-from rollout_ledger.shared.logging import configure_logging, get_logger
+from rollout_ledger.shared.kit.logging import configure_logging, get_logger
 
 log = get_logger(__name__)
 

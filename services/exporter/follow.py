@@ -30,7 +30,7 @@ from rollout_ledger.services.exporter.rows import Chunk
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.settings import ExporterSettings
 from rollout_ledger.services.exporter.writers import AtomicWriter
-from rollout_ledger.shared.runtime import BackgroundHttpServer, Health, ops_app
+from rollout_ledger.shared.kit.runtime import BackgroundHttpServer, Health, ops_app
 
 log = structlog.get_logger("rollout.exporter")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from rollout_ledger.shared.settings import BaseServiceSettings, normalize_database_url
+from rollout_ledger.shared.kit.settings import BaseServiceSettings, normalize_database_url
 
 
 class ExporterSettings(BaseServiceSettings):

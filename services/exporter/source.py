@@ -30,7 +30,7 @@ from rollout_ledger.services.exporter.selection import (
 )
 from rollout_ledger.services.exporter.settings import ExporterSettings
 from rollout_ledger.shared.errors import SchemaError, StoreError
-from rollout_ledger.shared.settings import normalize_database_url
+from rollout_ledger.shared.kit.settings import normalize_database_url
 
 BATCH_BYTES = 4 << 20
 """About how many bytes of rows the driver decodes into one Arrow batch (then cut into chunks)."""

@@ -8,21 +8,17 @@ surface with the worker's needs made explicit: one awaitable call per turn that 
 serialise ``generate`` behind a global lock (vLLM batches them continuously).
 
 Implementations: ``fake_engine.FakeEngine`` (tests and benchmarks) and ``vllm_engine`` (the only module that
-may import vllm; built lazily by ``build_engine`` so that the fake never needs vllm installed).
+may import vllm; built lazily by ``engines.build_engine`` so that the fake never needs vllm installed).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import FinishReason, SamplingParams
-
-if TYPE_CHECKING:
-    from rollout_ledger.services.inference_worker.settings import InferenceSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,23 +80,3 @@ class Engine(Protocol):
     async def stop(self) -> None:
         """Release the engine (after in-flight requests have finished or been aborted)."""
         ...
-
-
-def build_engine(settings: InferenceSettings) -> Engine:
-    """The engine named by ``settings.engine``; vllm is imported only when it is asked for."""
-    if settings.engine == "fake":
-        from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
-
-        return FakeEngine(
-            settings.model,
-            delay_s=settings.fake_delay_s,
-            tokens_per_s=settings.fake_tokens_per_s,
-        )
-    if settings.engine == "vllm":
-        try:
-            from rollout_ledger.services.inference_worker import vllm_engine  # type: ignore[attr-defined,unused-ignore]
-        except ImportError as exc:
-            raise InferenceError(f"the vllm engine is not available here: {exc}", retryable=False) from exc
-        engine: Engine = vllm_engine.VllmEngine(settings)
-        return engine
-    raise InferenceError(f"unknown engine {settings.engine!r} (known: fake, vllm)", retryable=False)

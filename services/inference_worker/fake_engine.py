@@ -40,8 +40,8 @@ from functools import lru_cache
 import numpy as np
 
 from rollout_ledger.services.inference_worker.engine import Generation
-from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.events import FinishReason, SamplingParams
+from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 
 TAIL_TOKENS = 256
 """Prompt ids decoded per request (the responder only looks at the end of the conversation)."""

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from rollout_ledger.services.inference_worker.engine import Engine, build_engine
+from rollout_ledger.services.inference_worker.engine import Engine
+from rollout_ledger.services.inference_worker.engines import build_engine
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
 from rollout_ledger.services.inference_worker.server import InferenceServer, WorkerIdentity
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
-from rollout_ledger.shared import bus
 from rollout_ledger.shared.errors import InferenceError
-from rollout_ledger.shared.logging import configure_logging, get_logger
-from rollout_ledger.shared.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.logging import configure_logging, get_logger
+from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
 
 SERVICE = "inference-worker"
 ENGINE_CHECK_S = 1.0

@@ -8,7 +8,7 @@ a task; the tasks run concurrently and the engine batches them. For each request
 1. decode ``InferenceRequested`` (a bad payload gets an error reply, never a crash);
 2. ``engine.generate``;
 3. build ``TurnGenerated`` (``event_id`` = ``request_id``), publish it on RL_EVENTS with that ``Nats-Msg-Id``
-   and await the stream's ack (shared/publisher.py): the turn is durable before the requester sees it;
+   and await the stream's ack (shared/kit/publisher.py): the turn is durable before the requester sees it;
 4. answer with the same event bytes.
 
 Errors are answered, not raised: the reply carries headers ``Rollout-Error`` (class name) and
@@ -36,8 +36,8 @@ from rollout_ledger.services.inference_worker.engine import Engine
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
 from rollout_ledger.shared.errors import InferenceError, RolloutError, SchemaError
 from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
-from rollout_ledger.shared.logging import get_logger
-from rollout_ledger.shared.publisher import StreamPublisher
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.subjects import INFER_ANY, INFER_CANCEL, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
 
 log = get_logger(__name__)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rollout_ledger.shared.settings import BaseServiceSettings
+from rollout_ledger.shared.kit.settings import BaseServiceSettings
 
 
 class InferenceSettings(BaseServiceSettings):

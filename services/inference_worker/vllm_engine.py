@@ -47,7 +47,7 @@ from rollout_ledger.services.inference_worker.engine import Generation
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import FinishReason, SamplingParams
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 
 try:  # vLLM >= 0.11 names request errors; older versions raise ValueError for them
     from vllm.exceptions import VLLMClientError as _ClientError

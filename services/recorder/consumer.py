@@ -23,11 +23,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from rollout_ledger.shared import bus
 from rollout_ledger.shared.errors import BusError, SchemaError, StoreError
 from rollout_ledger.shared.events import EpisodeFailed, EpisodeRequested, FailureClass, decode, decode_as
-from rollout_ledger.shared.logging import get_logger
-from rollout_ledger.shared.runtime import Shutdown, sleep_or_shutdown
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.runtime import Shutdown, sleep_or_shutdown
 from rollout_ledger.shared.subjects import WORK_STREAM
 
 from .metrics import RecorderMetrics

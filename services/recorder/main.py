@@ -7,11 +7,11 @@ import contextlib
 
 from nats.js import JetStreamContext
 
-from rollout_ledger.shared import bus
 from rollout_ledger.shared.db import create_engine
 from rollout_ledger.shared.errors import StoreError
-from rollout_ledger.shared.logging import configure_logging, get_logger
-from rollout_ledger.shared.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.logging import configure_logging, get_logger
+from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
 from rollout_ledger.shared.subjects import (
     ADVISORY_CONSUMER,
     ADVISORY_STREAM,

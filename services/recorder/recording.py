@@ -42,8 +42,8 @@ from rollout_ledger.shared.events import (
     StepCompleted,
     TurnGenerated,
 )
+from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus
-from rollout_ledger.shared.logging import get_logger
 
 from .assembly import Incomplete, StepRecord, TurnRecord, assemble, pair_records
 from .store import AttemptFailure, DeadLetter, EpisodeRow, Finish, TrajectoryWrite, Tx

@@ -16,15 +16,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rollout_ledger.services.scheduler.api import batches, episodes
 from rollout_ledger.services.scheduler.api import envs as envs_api
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics, create_metrics
-from rollout_ledger.services.scheduler.publisher import Publisher
+from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.state import Resources, SchedulerState
 from rollout_ledger.services.scheduler.trajectory_view import TokenizerCache
-from rollout_ledger.shared import bus
 from rollout_ledger.shared.db import check_schema, create_engine
 from rollout_ledger.shared.errors import BusError, StoreError
-from rollout_ledger.shared.logging import get_logger
-from rollout_ledger.shared.runtime import Health, ops_app
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.runtime import Health, ops_app
 from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET
 
 log = get_logger(__name__)

@@ -10,7 +10,7 @@ from nats.js.kv import KeyValue
 
 from rollout_ledger.services.scheduler.schemas import EnvPublic
 from rollout_ledger.shared.errors import BusError
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import ENVS_BUCKET, env_key, env_name_of_key
 
 log = get_logger(__name__)

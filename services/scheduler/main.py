@@ -11,8 +11,8 @@ from rollout_ledger.services.scheduler.app import SERVICE, create_app, scheduler
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.state import SchedulerState
 from rollout_ledger.shared.errors import RolloutError
-from rollout_ledger.shared.logging import configure_logging, get_logger
-from rollout_ledger.shared.runtime import HttpServer, Shutdown
+from rollout_ledger.shared.kit.logging import configure_logging, get_logger
+from rollout_ledger.shared.kit.runtime import HttpServer, Shutdown
 
 log = get_logger(__name__)
 

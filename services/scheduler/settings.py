@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr, field_validator
 
-from rollout_ledger.shared.settings import BaseServiceSettings
+from rollout_ledger.shared.kit.settings import BaseServiceSettings
 
 PLACEHOLDER_TOKENS = frozenset(
     {

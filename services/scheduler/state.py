@@ -8,11 +8,11 @@ from nats.js.kv import KeyValue
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
-from rollout_ledger.services.scheduler.publisher import Publisher
+from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.trajectory_view import TokenizerCache
-from rollout_ledger.shared.bus import NATS, JetStreamContext
-from rollout_ledger.shared.runtime import Health
+from rollout_ledger.shared.kit.bus import NATS, JetStreamContext
+from rollout_ledger.shared.kit.runtime import Health
 
 
 @dataclass

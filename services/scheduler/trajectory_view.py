@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from rollout_ledger.shared.chat import ChatTokenizer, ModelNotFoundError, load_chat_tokenizer
+from rollout_ledger.shared.kit.chat import ChatTokenizer, ModelNotFoundError, load_chat_tokenizer
 
 SpanKind = Literal["prompt", "sampled", "observation", "context"]
 """``context``: a segment's re-rendered context (the template or a context policy re-rendered the conversation)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from rollout_ledger.shared.settings import BaseServiceSettings
+from rollout_ledger.shared.kit.settings import BaseServiceSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

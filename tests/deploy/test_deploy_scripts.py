@@ -17,8 +17,9 @@ import pytest
 from sqlalchemy import create_engine, insert
 from sqlalchemy.engine import make_url
 
-from rollout_ledger.migrations.runner import sync_url
-from rollout_ledger.services.localinfra import free_port
+from rollout_ledger.cli.stack.servers import free_port
+from rollout_ledger.migrations.runner import sync_url, wait_for_schema
+from rollout_ledger.services import catalog
 from rollout_ledger.shared import deploy
 from rollout_ledger.shared.db import batches, episodes
 from rollout_ledger.shared.errors import RolloutError
@@ -69,27 +70,32 @@ def test_exporter_script_refuses_bad_arguments() -> None:
 
 
 async def test_wait_schema_returns_on_a_migrated_database(database_url: str) -> None:
-    await deploy.wait_for_schema(database_url, timeout_s=10)
+    await wait_for_schema(database_url, timeout_s=10)
 
 
 async def test_wait_schema_gives_up_after_its_timeout(database_url: str) -> None:
     missing = make_url(database_url).set(database="no_such_database").render_as_string(hide_password=False)
     with pytest.raises(RolloutError):
-        await deploy.wait_for_schema(missing, timeout_s=0.5, interval_s=0.1)
+        await wait_for_schema(missing, timeout_s=0.5, interval_s=0.1)
 
 
 def test_wait_schema_command_exit_codes(database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from rollout_ledger.cli.main import app
+
+    runner = CliRunner()
     monkeypatch.setenv("DATABASE_URL", database_url)
-    assert deploy.main(["wait-schema", "--timeout", "5"]) == 0
+    assert runner.invoke(app, [*deploy.WAIT_SCHEMA_ARGS, "--timeout", "5"]).exit_code == 0
     missing = make_url(database_url).set(database="no_such_database").render_as_string(hide_password=False)
     monkeypatch.setenv("DATABASE_URL", missing)
-    assert deploy.main(["wait-schema", "--timeout", "0.3"]) == 1
+    assert runner.invoke(app, [*deploy.WAIT_SCHEMA_ARGS, "--timeout", "0.3"]).exit_code == 1
 
 
 async def test_streams_and_buckets_take_their_replicas_from_the_setting(
     nc: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rollout_ledger.shared import bus
+    from rollout_ledger.shared.kit import bus
     from rollout_ledger.shared.subjects import CANCEL_BUCKET, STREAMS
 
     monkeypatch.setenv("ROLLOUT_STREAM_REPLICAS", "1")
@@ -107,11 +113,11 @@ async def test_streams_and_buckets_take_their_replicas_from_the_setting(
 
 def test_exporter_deployment_command_one_reader_and_sigterm(database_url: str, tmp_path: Path) -> None:
     """The exporter Deployment's exact arguments: files land; a second replica exits 1 at once; SIGTERM exits 0."""
-    workload = deploy.WORKLOADS["exporter"]
+    workload = catalog.WORKLOADS["exporter"]
     args = list(workload.args)
     out = tmp_path / deploy.EXPORT_CONSUMER
     args[args.index("--out") + 1] = str(out)
-    cmd = [sys.executable, "-m", "rollout_ledger.services.cli", *args]
+    cmd = [sys.executable, "-m", "rollout_ledger.cli.main", *args]
     env = dict(os.environ, DATABASE_URL=database_url, ROLLOUT_EXPORT_POLL_S="0.05", ROLLOUT_LOG_FORMAT="json",
                ROLLOUT_HTTP_HOST="127.0.0.1")  # each pod has its own port 8000: here, a free port each
     port = free_port()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_ledger.services import catalog
 from rollout_ledger.shared import deploy
 from tests.deploy.manifests import ROOT, tool
 
@@ -116,12 +117,10 @@ def test_final_images_agree_with_the_code(dockerfile: tuple[dict[str, str], dict
 
 
 def test_cmds_name_real_services(dockerfile: tuple[dict[str, str], dict[str, Stage]]) -> None:
-    from rollout_ledger.services.cli import SERVICE_MODULES
-
     _, stages = dockerfile
     for target in FINAL_TARGETS:
         service = json.loads(stages[target].last("CMD"))[1]
-        assert service in SERVICE_MODULES and service in deploy.WORKLOADS
+        assert service in catalog.SERVICES
     assert json.loads(stages["inference"].last("CMD"))[1] == "inference-worker"
     assert env_of(stages["inference"], stages)["ROLLOUT_ENGINE"] == "vllm"
 
@@ -168,7 +167,7 @@ def test_the_wheel_lists_every_package() -> None:
     listed = set(setuptools["packages"])
     found = {
         "rollout_ledger." + ".".join(init.parent.relative_to(ROOT).parts)
-        for top in ("shared", "services", "migrations")
+        for top in setuptools["package-dir"].values()
         for init in (ROOT / top).rglob("__init__.py")
     }
     # data-only folders (templates) are listed as packages with their package-data, so setuptools ships them

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
+from rollout_ledger.services import catalog
 from rollout_ledger.shared import deploy
-from rollout_ledger.shared.settings import BaseServiceSettings
+from rollout_ledger.shared.kit.settings import BaseServiceSettings
 from rollout_ledger.shared.subjects import STREAMS, WORK_CONSUMER, WORK_STREAM
 from tests.deploy.manifests import (
     K8S,
@@ -25,7 +26,7 @@ from tests.deploy.manifests import (
     validate,
 )
 
-SERVICES = [w for w in deploy.WORKLOADS.values() if w.serves_http]
+SERVICES = [w for w in catalog.WORKLOADS.values() if w.serves_http]
 BUS_SERVICES = [w for w in SERVICES if w.uses_nats]
 """The services on the bus (the exporter serves HTTP but reads only Postgres)."""
 SECRET_EXAMPLE = K8S / "overlays" / "prod" / "secret.example.yaml"
@@ -75,7 +76,7 @@ def test_every_workload_is_deployed(rendered: Rendered) -> None:
     kinds = {"scheduler": "Deployment", "env-worker": "Deployment", "inference-worker": "Deployment",
              "recorder": "Deployment", "migrate": "Job", "exporter": "Deployment", "export-batches": "CronJob",
              "feed-prune": "CronJob"}
-    for name, workload in deploy.WORKLOADS.items():
+    for name, workload in catalog.WORKLOADS.items():
         obj = rendered.get(kinds[name], name)
         c = rendered.container(name)
         assert tuple(c.spec.get("command") or deploy.IMAGE_ENTRYPOINT) == (workload.command or deploy.IMAGE_ENTRYPOINT)
@@ -87,20 +88,20 @@ def test_every_workload_is_deployed(rendered: Rendered) -> None:
 # --- one source of truth: settings ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("workload", list(deploy.WORKLOADS))
+@pytest.mark.parametrize("workload", list(catalog.WORKLOADS))
 def test_settings_each_workload_needs_are_provided(rendered: Rendered, workload: str) -> None:
     c = rendered.container(workload)
-    missing = deploy.WORKLOADS[workload].required_env - set(c.env)
+    missing = catalog.WORKLOADS[workload].required_env - set(c.env)
     assert not missing, f"{rendered.overlay}: {workload} is not given {sorted(missing)}"
 
 
 def test_every_env_var_is_a_real_setting(rendered: Rendered) -> None:
     for c in rendered.containers():
-        if c.workload not in deploy.WORKLOADS:
+        if c.workload not in catalog.WORKLOADS:
             continue  # nats, postgres: third-party images
-        workload = deploy.WORKLOADS[c.workload]
+        workload = catalog.WORKLOADS[c.workload]
         known = settings_env_names(workload.settings if not c.init else
-                                   "rollout_ledger.shared.settings:BaseServiceSettings")
+                                   "rollout_ledger.shared.kit.settings:BaseServiceSettings")
         unknown = set(c.env) - known
         assert not unknown, f"{rendered.overlay}: {c.workload}/{c.name} sets {sorted(unknown)}: no such setting"
 
@@ -169,7 +170,7 @@ def _image_name(image: str) -> str:
 
 
 def test_images_agree_with_the_code(rendered: Rendered) -> None:
-    for name, workload in deploy.WORKLOADS.items():
+    for name, workload in catalog.WORKLOADS.items():
         for c in rendered.containers(name):
             image = c.spec["image"]
             assert re.search(r":[\w.-]+$", image) and not image.endswith(":latest"), f"{name}: pin {image}"
@@ -201,7 +202,7 @@ def test_ports_and_probe_paths_agree_with_the_code(rendered: Rendered) -> None:
 def test_runtime_serves_the_probe_paths() -> None:
     from prometheus_client import CollectorRegistry
 
-    from rollout_ledger.shared.runtime import Health, ops_app
+    from rollout_ledger.shared.kit.runtime import Health, ops_app
 
     paths = {getattr(route, "path", None) for route in ops_app("x", Health(), CollectorRegistry()).routes}
     assert {deploy.LIVENESS_PATH, deploy.READINESS_PATH, deploy.METRICS_PATH} <= paths
@@ -312,7 +313,8 @@ def test_migrations_run_before_the_services(rendered: Rendered) -> None:
         inits = [c for c in rendered.containers(workload.name) if c.init]
         if workload.uses_database:
             (init,) = inits
-            assert tuple(init.spec["command"][:4]) == deploy.WAIT_SCHEMA_COMMAND
+            assert "command" not in init.spec, "the image entrypoint (rollout) runs it"
+            assert tuple(init.spec["args"][:2]) == deploy.WAIT_SCHEMA_ARGS
             assert "DATABASE_URL" in init.env
         else:
             assert not inits, f"{workload.name} does not use Postgres and need not wait for it"
@@ -335,7 +337,7 @@ def _parses(args: list[str]) -> None:
     import click
     import typer
 
-    from rollout_ledger.services.cli import app
+    from rollout_ledger.cli.main import app
 
     cmd: click.Command = typer.main.get_command(app)
     rest = list(args)
@@ -369,7 +371,8 @@ def test_exporter_follows_one_consumer(rendered: Rendered) -> None:
     assert optional[("rollout-secrets", "export-database-url")] is True, "optional: DATABASE_URL otherwise"
     assert c.pod.get("terminationGracePeriodSeconds", 30) >= 30, "time to finish the read in flight on SIGTERM"
     (init,) = [i for i in rendered.containers("exporter") if i.init]
-    assert tuple(init.spec["command"][:4]) == deploy.WAIT_SCHEMA_COMMAND
+    assert "command" not in init.spec, "the image entrypoint (rollout) runs it"
+    assert tuple(init.spec["args"][:2]) == deploy.WAIT_SCHEMA_ARGS
     readers = [w for w in rendered.containers() if not w.init and "--consumer" in (w.spec.get("args") or [])
                and w.spec["args"][w.spec["args"].index("--consumer") + 1] == deploy.EXPORT_CONSUMER]
     assert [w.workload for w in readers] == ["exporter"], "one workload per consumer"
@@ -411,11 +414,11 @@ def test_pods_are_locked_down(rendered: Rendered) -> None:
         resources = c.spec["resources"]
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(resources[kind]), f"{c.workload}/{c.name}: {kind}"
-        serves_http = c.workload not in deploy.WORKLOADS or deploy.WORKLOADS[c.workload].serves_http
+        serves_http = c.workload not in catalog.WORKLOADS or catalog.WORKLOADS[c.workload].serves_http
         if not c.init and c.kind in ("Deployment", "StatefulSet") and serves_http:
             assert "livenessProbe" in c.spec and "readinessProbe" in c.spec, c.workload
     for c in rendered.containers():
-        if c.workload in deploy.WORKLOADS:
+        if c.workload in catalog.WORKLOADS:
             assert c.pod["securityContext"]["runAsUser"] == deploy.RUN_AS_USER
 
 
@@ -424,7 +427,7 @@ def test_network_policies_allow_only_the_flows_used(rendered: Rendered) -> None:
     deny = policies["default-deny"]
     assert deny["podSelector"] == {} and set(deny["policyTypes"]) == {"Ingress", "Egress"}
     assert "ingress" not in deny and "egress" not in deny
-    for name, workload in deploy.WORKLOADS.items():
+    for name, workload in catalog.WORKLOADS.items():
         obj = next(o for o in rendered.workloads() if o["metadata"]["name"] == name)
         labels = rendered.pod_template(obj)["metadata"]["labels"]
         assert (labels.get("rollout-ledger/nats-client") == "true") == workload.uses_nats, f"{name}: NATS flow"

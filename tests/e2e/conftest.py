@@ -36,11 +36,11 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from rollout_ledger.cli.stack.supervisor import ServiceProcess
 from rollout_ledger.services.inference_worker.engine import Engine, Generation
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
-from rollout_ledger.services.supervisor import ServiceProcess
 from rollout_ledger.shared.events import SamplingParams
-from rollout_ledger.shared.runtime import Health, Shutdown
+from rollout_ledger.shared.kit.runtime import Health, Shutdown
 
 T = TypeVar("T")
 
@@ -167,7 +167,7 @@ class SharedEngine:
 def vllm_host(model_dir: str) -> Iterator[EngineHost]:
     """The session's started vLLM engine on its own loop (model weights converted on first use)."""
     require_vllm()
-    from rollout_ledger.services.modelstore import fetch
+    from rollout_ledger.cli.modelstore import fetch
 
     fetch(Path(model_dir), with_weights=True)
     host = EngineHost()
@@ -200,8 +200,8 @@ class InProcessWorker:
 @pytest.fixture(scope="package")
 def vllm_worker(vllm_host: EngineHost, servers: Any, model_dir: str) -> Iterator[InProcessWorker]:
     """An inference worker on the session NATS server, serving the session engine (drained at session end)."""
+    from rollout_ledger.cli.stack.servers import free_port
     from rollout_ledger.services.inference_worker.main import run
-    from rollout_ledger.services.localinfra import free_port
 
     port = free_port()
     settings = e2e_settings(model_dir, nats_url=servers.nats_url, http_host="127.0.0.1", http_port=port,
@@ -233,7 +233,7 @@ def vllm_worker_process(servers: Any, model_dir: str, tmp_path_factory: pytest.T
                         ) -> Iterator[ServiceProcess]:
     """A real ``rollout serve inference-worker`` process with the vLLM engine, on the session NATS server."""
     require_vllm()
-    from rollout_ledger.services.modelstore import fetch
+    from rollout_ledger.cli.modelstore import fetch
 
     fetch(Path(model_dir), with_weights=True)
     env = {"NATS_URL": servers.nats_url, "DATABASE_URL": servers.database_url, "ROLLOUT_ENGINE": "vllm",

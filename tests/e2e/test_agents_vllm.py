@@ -11,9 +11,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.exporter.records import spans
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared.chat import load_chat_tokenizer
+from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
 from tests.helpers import Sql, wait_for
 from tests.integration.test_agents import agent_env, check_segments

@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
+from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
 from tests.helpers import Sql, wait_for
 from tests.integration.test_pipeline import check_token_exact

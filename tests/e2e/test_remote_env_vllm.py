@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared.chat import load_chat_tokenizer
+from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
 from tests.helpers import Sql, wait_for
 from tests.integration.test_pipeline import check_token_exact

@@ -11,10 +11,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
+from rollout_ledger.cli.stack.supervisor import ServiceProcess
 from rollout_ledger.services.inference_worker.engine import Engine, Generation
-from rollout_ledger.services.supervisor import ServiceProcess
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import (
     FinishReason,
@@ -25,6 +23,8 @@ from rollout_ledger.shared.events import (
     decode_as,
     encode,
 )
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.subjects import EVENTS_STREAM, event_subject, infer_worker_subject
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from tests.integration.policy import Policy
 
 

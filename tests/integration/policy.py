@@ -12,9 +12,9 @@ import numpy as np
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer
 from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
 
 

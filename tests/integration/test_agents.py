@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_ledger.services.env_worker.envs.tools import format_call
+from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.services.envs.tools import format_call
 from rollout_ledger.services.exporter.records import spans
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import ENVS_BUCKET
 from tests.agents import AGENTS_SETTING
 from tests.helpers import Sql, wait_for

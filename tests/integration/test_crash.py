@@ -12,8 +12,8 @@ import asyncio
 
 import httpx
 
-from rollout_ledger.services.supervisor import ServiceProcess, Stack
-from rollout_ledger.shared import bus
+from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
+from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import EVENTS_STREAM, event_subject
 from tests.helpers import Sql, metric, wait_for
 from tests.integration.test_pipeline import check_token_exact

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rollout_ledger.services.demo import demo_batches, run_demo
+from rollout_ledger.cli.demo import demo_batches, run_demo
 
 
 def test_demo_runs_mixed_batch_and_prints_summary(tmp_path: Path, model_dir: str) -> None:

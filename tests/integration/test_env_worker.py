@@ -13,10 +13,10 @@ import contextlib
 import uuid
 from typing import Any
 
-from rollout_ledger.services.supervisor import ServiceProcess, Stack
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
 from rollout_ledger.shared.events import EpisodeRequested, Event, SamplingParams, decode
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, EVENTS_STREAM, WORK_STREAM
 from tests.helpers import metric, until
 from tests.integration.policy import Policy

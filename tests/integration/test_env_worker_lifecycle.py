@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared import bus
+from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import WORK_STREAM
 from tests.helpers import until
 from tests.integration.policy import Policy

@@ -14,9 +14,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from rollout_ledger.services.exporter.api import CursorError, TrajectoryReader
 from rollout_ledger.services.exporter.cursor import KEEPALIVE, Cursors
 from rollout_ledger.services.exporter.follow import Follower
+from rollout_ledger.services.exporter.reader import CursorError, TrajectoryReader
 from rollout_ledger.services.exporter.retention import prune
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import libpq_url
@@ -132,7 +132,7 @@ def test_killed_follow_process_delivers_everything_exactly_once(database_url: st
     out = tmp_path / "out"
     env = dict(os.environ, DATABASE_URL=database_url, ROLLOUT_EXPORT_BATCH_SIZE="4", ROLLOUT_EXPORT_POLL_S="0.02",
                ROLLOUT_LOG_FORMAT="json")
-    cmd = [sys.executable, "-m", "rollout_ledger.services.cli", "export", "--consumer", "trainer", "--follow",
+    cmd = [sys.executable, "-m", "rollout_ledger.cli.main", "export", "--consumer", "trainer", "--follow",
            "--format", "jsonl", "--out", str(out)]
     batches = 40
     seeded = threading.Event()

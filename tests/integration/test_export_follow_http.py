@@ -15,8 +15,8 @@ import httpx
 import psutil
 import psycopg
 
+from rollout_ledger.cli.stack.servers import free_port
 from rollout_ledger.services.exporter.source import libpq_url
-from rollout_ledger.services.localinfra import free_port
 from tests.helpers import wait_for
 from tests.integration.export_data import Traj, consumer_claimed, delivered, seed_batch
 
@@ -37,7 +37,7 @@ def status(url: str) -> int | None:
 def start(database_url: str, out: Path, **env: str) -> subprocess.Popen[bytes]:
     full = {k: v for k, v in os.environ.items() if k != "ROLLOUT_HTTP_PORT"}
     full.update(DATABASE_URL=database_url, ROLLOUT_EXPORT_POLL_S="0.05", ROLLOUT_LOG_FORMAT="json", **env)
-    cmd = [sys.executable, "-m", "rollout_ledger.services.cli", "export", "--consumer", "ops", "--follow",
+    cmd = [sys.executable, "-m", "rollout_ledger.cli.main", "export", "--consumer", "ops", "--follow",
            "--format", "jsonl", "--out", str(out)]
     return subprocess.Popen(cmd, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -10,9 +10,9 @@ import httpx
 import numpy as np
 import pyarrow.parquet as pq
 
+from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.exporter.follow import Follower
 from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.supervisor import Stack
 from tests.helpers import Sql, wait_for
 from tests.integration.test_pipeline import start_all
 

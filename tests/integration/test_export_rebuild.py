@@ -18,8 +18,8 @@ from pydantic import BaseModel
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.source import connect, connect_arrow, fetch
-from rollout_ledger.shared import bus
 from rollout_ledger.shared.events import StepCompleted, TurnGenerated
+from rollout_ledger.shared.kit import bus
 from tests.helpers import Sql
 from tests.integration.test_recorder import (
     PROMPT,

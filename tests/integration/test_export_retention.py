@@ -215,7 +215,7 @@ def test_one_prune_at_a_time(database_url: str) -> None:
 
 def rollout(*args: str) -> subprocess.CompletedProcess[str]:
     """The real `rollout` CLI in a process of its own (it configures logging for the process)."""
-    return subprocess.run([sys.executable, "-m", "rollout_ledger.services.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rollout_ledger.cli.main", *args], capture_output=True,
                           text=True, timeout=60, check=False, env=dict(os.environ, ROLLOUT_LOG_FORMAT="json"))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rollout_ledger.services.cli import app
+from rollout_ledger.cli.main import app
 from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec, group_advantages
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.rewards import RewardError, RewardInput, rescore, resolve

@@ -16,13 +16,11 @@ import orjson
 import pytest
 from nats.aio.msg import Msg
 
+from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
 from rollout_ledger.services.inference_worker.main import run
 from rollout_ledger.services.inference_worker.server import ERROR_HEADER, RETRYABLE_HEADER
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import load_chat_tokenizer
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import (
     FinishReason,
@@ -32,7 +30,9 @@ from rollout_ledger.shared.events import (
     decode_as,
     encode,
 )
-from rollout_ledger.shared.runtime import Health, Shutdown
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import load_chat_tokenizer
+from rollout_ledger.shared.kit.runtime import Health, Shutdown
 from rollout_ledger.shared.subjects import (
     EVENTS_STREAM,
     INFER_ANY,

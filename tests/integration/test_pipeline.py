@@ -13,9 +13,9 @@ import httpx
 import numpy as np
 import pyarrow.parquet as pq
 
+from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.exporter.export import export_batch
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
+from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from tests.helpers import Sql, metric, wait_for
 
 

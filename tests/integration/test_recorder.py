@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 from pydantic import BaseModel
 
+from rollout_ledger.cli.stack.servers import PrivatePostgres, free_port
 from rollout_ledger.migrations.runner import upgrade
-from rollout_ledger.services.localinfra import PrivatePostgres, free_port
 from rollout_ledger.services.recorder.main import run
 from rollout_ledger.services.recorder.settings import RecorderSettings
-from rollout_ledger.shared import bus
 from rollout_ledger.shared.events import (
     EpisodeFailed,
     EpisodeFinished,
@@ -36,7 +35,8 @@ from rollout_ledger.shared.events import (
     decode,
     encode,
 )
-from rollout_ledger.shared.runtime import Shutdown
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.runtime import Shutdown
 from rollout_ledger.shared.subjects import EVENTS_STREAM, RECORDER_CONSUMER, WORK_STREAM, event_subject
 from tests.helpers import Sql
 

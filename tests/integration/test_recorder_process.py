@@ -3,8 +3,8 @@ SIGTERM drains and exits 0."""
 
 from __future__ import annotations
 
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared import bus
+from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.shared.kit import bus
 from tests.helpers import Sql, metric, wait_for
 from tests.integration.test_recorder import episode_events, publish, seed_episodes, until
 

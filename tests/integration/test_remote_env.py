@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_ledger.services.localinfra import free_port
-from rollout_ledger.services.supervisor import Stack
+from rollout_ledger.cli.stack.servers import free_port
+from rollout_ledger.cli.stack.supervisor import Stack
 from tests.helpers import Sql, metric, until, wait_for
 from tests.integration.policy import Policy
 from tests.integration.test_pipeline import check_token_exact
@@ -47,7 +47,7 @@ class EnvServerProcess:
         self.starts += 1
         log = open(self.log_dir / f"envserver-{self.starts}.log", "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_ledger.services.cli", "envserver", "--host", "127.0.0.1",
+            [sys.executable, "-m", "rollout_ledger.cli.main", "envserver", "--host", "127.0.0.1",
              "--port", str(self.port), "--state-dir", str(self.state_dir)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(self._healthy, timeout_s, f"envserver on port {self.port}")
@@ -362,7 +362,7 @@ def example_server(tmp_path: Path) -> Iterator[str]:
 
 
 async def test_the_example_server_speaks_the_protocol(example_server: str) -> None:
-    from rollout_ledger.services.env_worker.envs.remote import ActorPool, RemoteConfig, RemoteEndpoint, RemoteEnv
+    from rollout_ledger.services.envs.remote import ActorPool, RemoteConfig, RemoteEndpoint, RemoteEnv
     from rollout_ledger.shared.errors import EnvError
 
     pool = ActorPool(RemoteEndpoint("reverse-word", example_server), RemoteConfig(startup_jitter_s=0))

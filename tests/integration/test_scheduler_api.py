@@ -23,11 +23,11 @@ from rollout_ledger.services.scheduler.app import create_app
 from rollout_ledger.services.scheduler.planning import plan_episodes, request_hash
 from rollout_ledger.services.scheduler.schemas import BatchCreate
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import load_chat_tokenizer
 from rollout_ledger.shared.db import batches, create_engine, episodes, steps, trajectories, turns
 from rollout_ledger.shared.errors import SchemaVersionError
 from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 from rollout_ledger.shared.lifecycle import EpisodeStatus
 from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, WORK_STREAM, WORK_SUBJECT
 

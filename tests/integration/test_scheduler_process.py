@@ -10,11 +10,11 @@ import time
 import httpx
 from sqlalchemy import func, select
 
+from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.migrations.runner import downgrade
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared import bus
 from rollout_ledger.shared.db import batches, create_engine, episodes
 from rollout_ledger.shared.events import dumps
+from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_STREAM
 
 

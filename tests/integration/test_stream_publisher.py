@@ -8,9 +8,9 @@ import time
 import pytest
 from nats.aio.msg import Msg
 
-from rollout_ledger.shared import bus
 from rollout_ledger.shared.errors import BusError
-from rollout_ledger.shared.publisher import StreamPublisher
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.subjects import EVENTS_STREAM
 
 

@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from rollout_ledger.services.env_worker.envs.retail import build_task, solution
-from rollout_ledger.services.env_worker.envs.tools import format_call
+from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.env_worker.tokenization import TOOLS_TEMPLATE
-from rollout_ledger.services.supervisor import Stack
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.services.envs.retail import build_task, solution
+from rollout_ledger.services.envs.tools import format_call
 from rollout_ledger.shared.events import InferenceRequested
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import ENVS_BUCKET
 from tests.integration.policy import Policy
 from tests.integration.test_env_worker import (

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from rollout_ledger.shared.backoff import backoff_delay
+from rollout_ledger.shared.kit.backoff import backoff_delay
 
 
 def test_without_jitter_the_pause_doubles_up_to_the_cap() -> None:

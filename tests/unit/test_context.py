@@ -9,13 +9,13 @@ import numpy as np
 
 from rollout_ledger.services.env_worker.context import turns_of, window, windowed
 from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
-from rollout_ledger.services.env_worker.envs import builtin_registry
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.services.envs.builtins import builtin_registry
 from rollout_ledger.shared.events import ContextPolicy, EpisodeRequested, SamplingParams, decode
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import EVENTS_STREAM
 from tests.unit.test_driver import served
 

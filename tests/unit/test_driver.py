@@ -11,12 +11,10 @@ import pytest
 from nats.aio.msg import Msg
 
 from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
-from rollout_ledger.services.env_worker.envs import builtin_registry
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
-from rollout_ledger.shared import bus
-from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.services.envs.builtins import builtin_registry
 from rollout_ledger.shared.events import (
     EpisodeRequested,
     Event,
@@ -28,6 +26,8 @@ from rollout_ledger.shared.events import (
     decode_as,
     encode,
 )
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import EVENTS_STREAM, INFER_ANY, INFER_QUEUE
 
 ANSWERS = ["Hello there.", "A longer answer that will be cut", "Fine."]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_ledger.services.env_worker.envs import TaskError, UnknownEnvError, builtin_registry
-from rollout_ledger.services.env_worker.envs.arithmetic import ArithmeticEnv, make_problem, solve
-from rollout_ledger.services.env_worker.envs.fixed_turns import FixedTurnsEnv, InjectedEnvFault
-from rollout_ledger.services.env_worker.envs.guess_number import GuessNumberEnv
+from rollout_ledger.services.envs.arithmetic import ArithmeticEnv, make_problem, solve
+from rollout_ledger.services.envs.base import TaskError
+from rollout_ledger.services.envs.builtins import builtin_registry
+from rollout_ledger.services.envs.fixed_turns import FixedTurnsEnv, InjectedEnvFault
+from rollout_ledger.services.envs.guess_number import GuessNumberEnv
+from rollout_ledger.services.envs.registry import UnknownEnvError
 
 
 async def test_arithmetic_reward_on_last_integer() -> None:

@@ -9,11 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from rollout_ledger.services.inference_worker.engine import Engine, Generation, build_engine
+from rollout_ledger.services.inference_worker.engine import Engine, Generation
+from rollout_ledger.services.inference_worker.engines import build_engine
 from rollout_ledger.services.inference_worker.fake_engine import SENTENCES, FakeEngine, TailDecoder, respond
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
-from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.events import FinishReason, SamplingParams
+from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 
 
 @pytest.fixture(scope="module")

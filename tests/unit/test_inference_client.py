@@ -17,7 +17,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
-from rollout_ledger.shared import bus
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import (
     FinishReason,
@@ -28,6 +27,7 @@ from rollout_ledger.shared.events import (
     dumps,
     encode,
 )
+from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
 
 

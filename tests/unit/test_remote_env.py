@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from rollout_ledger.services.env_worker.envs import builtin_registry
-from rollout_ledger.services.env_worker.envs.remote import RemoteConfig, RemoteEndpoint, parse_remote_envs
 from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
+from rollout_ledger.services.envs.builtins import builtin_registry
+from rollout_ledger.services.envs.remote import RemoteConfig, RemoteEndpoint, parse_remote_envs
 from rollout_ledger.services.envserver.actors import ActorConflict, ActorNotFound, ActorTable
 from rollout_ledger.shared.events import EpisodeRequested, FailureClass, SamplingParams
 from rollout_ledger.shared.subjects import env_key, env_name_of_key

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollout_ledger.services.env_worker.envs import TaskError, builtin_registry
-from rollout_ledger.services.env_worker.envs.base import StepResult
-from rollout_ledger.services.env_worker.envs.retail import (
+from rollout_ledger.services.env_worker.tokenization import TOOLS_TEMPLATE, Transcript, TurnTemplate, renders_tools
+from rollout_ledger.services.envs.base import StepResult, TaskError
+from rollout_ledger.services.envs.builtins import builtin_registry
+from rollout_ledger.services.envs.retail import (
     DELIVERED,
     PENDING,
     TOOLS,
@@ -20,10 +21,9 @@ from rollout_ledger.services.env_worker.envs.retail import (
     build_task,
     solution,
 )
-from rollout_ledger.services.env_worker.envs.tools import format_call
-from rollout_ledger.services.env_worker.tokenization import TOOLS_TEMPLATE, Transcript, TurnTemplate, renders_tools
-from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.services.envs.tools import format_call
 from rollout_ledger.shared.errors import TokenizationError
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 from tests.unit.test_tokenization import sample
 
 

@@ -35,9 +35,9 @@ from rollout_ledger.services.env_worker.sessions.protocol import (
 )
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
 from rollout_ledger.services.env_worker.tokenization import Delta, Transcript, TurnTemplate
-from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import FinishReason, SamplingParams, TurnGenerated
+from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 
 EOS = "<|im_end|>"
 TOOLS: Any = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
@@ -416,7 +416,7 @@ class Live:
 
 @pytest.fixture
 async def live(tok: ChatTokenizer) -> AsyncIterator[Callable[[dict[str, list[str]]], Live]]:
-    from rollout_ledger.shared.runtime import HttpServer
+    from rollout_ledger.shared.kit.runtime import HttpServer
 
     registry = SessionRegistry("SmolLM2-135M-Instruct")
     server = HttpServer(session_app(registry), "127.0.0.1", 0)

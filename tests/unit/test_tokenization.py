@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rollout_ledger.services.env_worker.tokenization import Drift, Transcript, TurnTemplate
-from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 
 
 class SpyTokenizer(ChatTokenizer):

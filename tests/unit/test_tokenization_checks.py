@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from rollout_ledger.services.env_worker.tokenization import Drift, Transcript, TurnTemplate
-from rollout_ledger.shared.chat import ChatTokenizer, load_chat_tokenizer
+from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 
 
 def test_a_final_drift_checks_the_rendering_before_the_last_turn_plus_its_sampled_text(model_dir: str) -> None:

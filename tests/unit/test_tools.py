@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rollout_ledger.services.env_worker.envs.tools import (
+from rollout_ledger.services.envs.tools import (
     AgentTurn,
     Param,
     ToolCall,

@@ -52,8 +52,8 @@ from rollout_ledger.shared.events import (
     TurnGenerated,
     dumps,
 )
-from rollout_ledger.shared.logging import get_logger
-from rollout_ledger.shared.runtime import HttpServer
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.runtime import HttpServer
 from rollout_ledger.shared.subjects import ENVS_BUCKET, env_key
 
 log = get_logger(__name__)

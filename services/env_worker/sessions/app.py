@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rollout_ledger.services.env_worker.sessions.mapping import DONE, sse
 from rollout_ledger.services.env_worker.sessions.protocol import ApiError, parse_request
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
 

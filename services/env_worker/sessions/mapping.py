@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from rollout_ledger.services.env_worker.envs.tools import CLOSE, OPEN, ToolCallError, parse_turn
-from rollout_ledger.shared.chat import ChatTokenizer
+from rollout_ledger.services.envs.tools import CLOSE, OPEN, ToolCallError, parse_turn
+from rollout_ledger.shared.kit.chat import ChatTokenizer
 
 Message = dict[str, Any]
 

@@ -46,7 +46,7 @@ from rollout_ledger.services.env_worker.sessions.protocol import (
 from rollout_ledger.services.env_worker.tokenization import Delta, Drift, Transcript, TurnTemplate
 from rollout_ledger.shared.errors import InferenceError, TokenizationError
 from rollout_ledger.shared.events import FailureClass, SamplingParams, TurnGenerated
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
 

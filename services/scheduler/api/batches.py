@@ -26,7 +26,7 @@ from rollout_ledger.services.scheduler.schemas import (
     ErrorPublic,
 )
 from rollout_ledger.services.scheduler.state import Resources
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
 

@@ -23,10 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_ledger.services.env_worker.envs._parse import task_int
-from rollout_ledger.services.env_worker.envs.base import Env, Message, StepResult, TaskError
-from rollout_ledger.services.env_worker.envs.registry import EnvSpec
-from rollout_ledger.services.env_worker.envs.tools import (
+from rollout_ledger.services.envs._parse import task_int
+from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult, TaskError
+from rollout_ledger.services.envs.tools import (
     Param,
     ToolCall,
     ToolCallError,

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from rollout_ledger.cli.modelstore import fetch, is_complete
+from rollout_ledger.cli.stack.servers import LocalInfra
+from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
 from rollout_ledger.migrations.runner import upgrade
-from rollout_ledger.services.localinfra import LocalInfra
-from rollout_ledger.services.modelstore import fetch, is_complete
-from rollout_ledger.services.supervisor import ServiceProcess, Stack
-from rollout_ledger.shared.settings import default_model_dir
+from rollout_ledger.shared.kit.settings import default_model_dir
 
 
 class DevStack:

@@ -20,10 +20,10 @@ from rollout_ledger.services.scheduler import store
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode, work_item
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
-from rollout_ledger.shared.bus import JetStreamContext, msg_id_headers
 from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.events import EpisodeRequested, encode
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.bus import JetStreamContext, msg_id_headers
+from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import WORK_SUBJECT
 
 log = get_logger(__name__)

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import httpx
 
-from rollout_ledger.services.localinfra import free_port
+from rollout_ledger.cli.stack.servers import free_port
+from rollout_ledger.services import catalog
 from rollout_ledger.shared.errors import InfraError
 
-SERVICES = ("scheduler", "env-worker", "inference-worker", "recorder")
-STOP_ORDER = ("scheduler", "env-worker", "inference-worker", "recorder", "")
-"""Tiers stopped one after another on shutdown ("" = anything else)."""
+STOP_ORDER = (*catalog.SERVICES, "")
+"""Tiers stopped one after another on shutdown: the catalog's drain order ("" = anything else)."""
 
 
 @dataclass
@@ -57,7 +57,7 @@ class ServiceProcess:
         env["ROLLOUT_LOG_FORMAT"] = "json"
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_ledger.services.cli", "serve", self.service],
+            [sys.executable, "-m", "rollout_ledger.cli.main", "serve", self.service],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         return self

@@ -260,7 +260,7 @@ class LocalInfra:
                 self.nats.start()
                 self.nats_url = self.nats.url
             if self._given_db:
-                from rollout_ledger.shared.settings import normalize_database_url
+                from rollout_ledger.shared.kit.settings import normalize_database_url
 
                 self.database_url = normalize_database_url(self._given_db)
             else:

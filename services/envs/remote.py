@@ -47,11 +47,10 @@ from typing import Any
 
 import httpx
 
-from rollout_ledger.services.env_worker.envs.base import Env, Message, StepResult
-from rollout_ledger.services.env_worker.envs.registry import EnvSpec
-from rollout_ledger.shared.backoff import backoff_delay
+from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult
 from rollout_ledger.shared.errors import EnvError
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.backoff import backoff_delay
+from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
 

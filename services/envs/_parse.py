@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rollout_ledger.services.env_worker.envs.base import TaskError
+from rollout_ledger.services.envs.base import TaskError
 
 _INT = re.compile(r"-?\d+")
 

@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from rollout_ledger.shared.settings import BaseServiceSettings
-
-SETTINGS = {
-    "scheduler": "rollout_ledger.services.scheduler.settings:SchedulerSettings",
-    "env-worker": "rollout_ledger.services.env_worker.settings:EnvWorkerSettings",
-    "inference-worker": "rollout_ledger.services.inference_worker.settings:InferenceSettings",
-    "recorder": "rollout_ledger.services.recorder.settings:RecorderSettings",
-    "exporter": "rollout_ledger.services.exporter.settings:ExporterSettings",
-}
-
-
-def _load(path: str) -> type[BaseServiceSettings]:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+from rollout_ledger.services import catalog
+from rollout_ledger.shared.kit.settings import BaseServiceSettings
 
 
 def env_name(name: str, info: FieldInfo) -> str:
@@ -53,15 +40,14 @@ def render() -> str:
         "# Configuration",
         "",
         "Every service reads its settings from environment variables, once, at start. This file is generated",
-        "from the settings classes (`python -m rollout_ledger.services.configdoc > docs/configuration.md`;",
+        "from the settings classes (`python -m rollout_ledger.cli.configdoc > docs/configuration.md`;",
         "a test fails when it is out of date).",
         "",
         "## Every service",
         "",
         *_table(dict(base), set()),
     ]
-    for service, path in SETTINGS.items():
-        cls = _load(path)
+    for service, cls in catalog.settings_classes().items():
         out += ["", f"## {service} (`{cls.__name__}`)", ""]
         out += _table(dict(cls.model_fields), set(base))
     return "\n".join(out) + "\n"

@@ -14,8 +14,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from rollout_ledger.shared.logging import get_logger
-from rollout_ledger.shared.settings import default_model_dir
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.settings import default_model_dir
 
 log = get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """The trainer-side Python API (no torch): a consumer's new trajectories as Arrow tables / numpy, exactly once.
 
-    from rollout_ledger.services.exporter.api import TrajectoryReader, Selection
+    from rollout_ledger.services.exporter.reader import TrajectoryReader, Selection
 
     with TrajectoryReader(DATABASE_URL, consumer="grpo-run-7", fmt="slime",
                           selection=Selection(complete_groups=True, statuses=("completed", "truncated"))) as reader:

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rollout_ledger.shared.deploy import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
 

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import create_engine, text
 
+from rollout_ledger.cli.client import SchedulerClient
+from rollout_ledger.cli.stack.devstack import DevStack
 from rollout_ledger.migrations.runner import sync_url
-from rollout_ledger.services.client import SchedulerClient
-from rollout_ledger.services.devstack import DevStack
 from rollout_ledger.services.exporter.export import export_batch
 
 DEMO_BATCHES = (

@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from rollout_ledger.services.env_worker.envs._parse import last_int, task_int
-from rollout_ledger.services.env_worker.envs.base import Env, Message, StepResult, TaskError
-from rollout_ledger.services.env_worker.envs.registry import EnvSpec
+from rollout_ledger.services.envs._parse import last_int, task_int
+from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult, TaskError
 
 OPS = ("+", "-", "*")
 

@@ -20,7 +20,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.events import EventBase, encode
-from rollout_ledger.shared.logging import get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import (
     CANCEL_BUCKET,
     ENVS_BUCKET,
@@ -132,7 +132,7 @@ def stream_replicas(replicas: int | None) -> int:
     the fallback serves scripts and tests that call without settings)."""
     if replicas is not None:
         return replicas
-    from rollout_ledger.shared.settings import BaseServiceSettings
+    from rollout_ledger.shared.kit.settings import BaseServiceSettings
 
     return BaseServiceSettings().stream_replicas
 

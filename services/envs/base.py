@@ -1,8 +1,10 @@
-"""The in-process environment protocol: a single-use ``Env`` with ``reset`` and ``step``, and its ``StepResult``."""
+"""The in-process environment protocol: a single-use ``Env`` with ``reset`` and ``step``, its ``StepResult``, and
+the ``EnvSpec`` a registry holds."""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,3 +53,29 @@ class Env(abc.ABC):
 
 class TaskError(ValueError):
     """The task given to ``reset`` is malformed for this environment."""
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A registered environment."""
+
+    name: str
+    """Registry key; the ``env`` of work items."""
+    factory: Callable[[], Env]
+    """Builds a fresh single-use ``Env``."""
+    description: str
+    """One line for GET /v1/envs."""
+    multi_turn: bool
+    """Whether an episode can take more than one turn."""
+    example_task: dict[str, Any] = field(default_factory=dict)
+    """A valid task, shown to users."""
+
+    def advert(self, registered_by: str) -> dict[str, Any]:
+        """The JSON value put into the ``rl_envs`` bucket under ``name``."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "multi_turn": self.multi_turn,
+            "example_task": self.example_task,
+            "registered_by": registered_by,
+        }

