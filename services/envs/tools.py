@@ -1,9 +1,11 @@
 """Hermes-style tool calls: tool schemas, parsing ``<tool_call>{json}</tool_call>`` from a turn, argument checks.
 
-Pure functions. A turn holds plain text and at most one tool call is taken (the first, as in the slime
-tau-bench agent; ``AgentTurn.extra_calls`` counts the others). Everything wrong with a call raises
-``ToolCallError`` with a ``ToolCallErrorKind``; the environment decides whether that is an error observation
-for the model or the end of the episode.
+Pure functions. ``scan_blocks`` is the one scanner of ``<tool_call>`` blocks: the built-in tool environments
+take at most one call from it (``parse_turn``: the first, as in the slime tau-bench agent;
+``AgentTurn.extra_calls`` counts the others) and the session endpoint (``env_worker/sessions/mapping.py``)
+turns every block into an OpenAI tool call. Everything wrong with a call raises ``ToolCallError`` with a
+``ToolCallErrorKind``; the environment decides whether that is an error observation for the model or the end
+of the episode.
 """
 
 from __future__ import annotations
@@ -65,39 +67,62 @@ class AgentTurn:
     """Further ``<tool_call>`` blocks in the turn (ignored, not parsed)."""
 
 
+@dataclass(frozen=True)
+class ToolBlock:
+    """One ``<tool_call>`` block of a text, as ``scan_blocks`` found it."""
+
+    start: int
+    """Offset of its ``<tool_call>``."""
+    end: int
+    """Offset just past its ``</tool_call>`` (the text's length for an unclosed block)."""
+    body: str
+    """The text between the tags (to the end of the text for an unclosed block)."""
+    closed: bool
+    """Whether a ``</tool_call>`` ends it (only the last block of a text may be unclosed)."""
+
+
+def scan_blocks(text: str) -> tuple[list[ToolBlock], list[str]]:
+    """The ``<tool_call>`` blocks of ``text`` in order (an unclosed last one runs to the end) and the pieces of
+    text outside them: one before each block and one after the last (empty after an unclosed block), so there
+    is always one piece more than blocks. No block when ``text`` holds no ``<tool_call>``."""
+    blocks: list[ToolBlock] = []
+    outside: list[str] = []
+    pos = 0
+    while (start := text.find(OPEN, pos)) >= 0:
+        outside.append(text[pos:start])
+        body_start = start + len(OPEN)
+        close = text.find(CLOSE, body_start)
+        if close < 0:
+            blocks.append(ToolBlock(start=start, end=len(text), body=text[body_start:], closed=False))
+            pos = len(text)
+            break
+        pos = close + len(CLOSE)
+        blocks.append(ToolBlock(start=start, end=pos, body=text[body_start:close], closed=True))
+    outside.append(text[pos:])
+    return blocks, outside
+
+
+def parse_block(block: ToolBlock) -> ToolCall:
+    """The call a block holds; ``ToolCallError`` when it is malformed.
+
+    An unclosed block is accepted when its body is a JSON object (an engine may stop on ``</tool_call>`` and
+    drop the stop string).
+    """
+    return _parse_call(block.body, unclosed=not block.closed)
+
+
 def parse_turn(text: str) -> AgentTurn:
     """Split ``text`` into plain text and the first tool call; ``ToolCallError`` when that call is malformed.
 
-    An unclosed last ``<tool_call>`` is accepted when what follows it is a JSON object (an engine may stop
-    on ``</tool_call>`` and drop the stop string).
+    An unclosed last ``<tool_call>`` is accepted when what follows it is a JSON object (see ``parse_block``).
     """
-    start = text.find(OPEN)
-    if start < 0:
+    blocks, outside = scan_blocks(text)
+    if not blocks:
         return AgentTurn(text=text.strip(), call=None)
-    body_start = start + len(OPEN)
-    end = text.find(CLOSE, body_start)
-    if end < 0:
-        body, rest = text[body_start:], ""
-        call = _parse_call(body, unclosed=True)
-    else:
-        body, rest = text[body_start:end], text[end + len(CLOSE):]
-        call = _parse_call(body, unclosed=False)
-    pieces = (p.strip() for p in (text[:start], *_outside_calls(rest)))
-    return AgentTurn(text=" ".join(p for p in pieces if p), call=call, extra_calls=rest.count(OPEN))
-
-
-def _outside_calls(text: str) -> list[str]:
-    """The pieces of ``text`` outside its ``<tool_call>...</tool_call>`` blocks (an unclosed one runs to the end)."""
-    out: list[str] = []
-    pos = 0
-    while (start := text.find(OPEN, pos)) >= 0:
-        out.append(text[pos:start])
-        end = text.find(CLOSE, start + len(OPEN))
-        if end < 0:
-            return out
-        pos = end + len(CLOSE)
-    out.append(text[pos:])
-    return out
+    first = blocks[0]
+    call = parse_block(first)
+    pieces = (p.strip() for p in outside)
+    return AgentTurn(text=" ".join(p for p in pieces if p), call=call, extra_calls=text.count(OPEN, first.end))
 
 
 def _parse_call(body: str, unclosed: bool) -> ToolCall:

@@ -10,6 +10,10 @@ independently, so ``SegmentEncoder`` does the same cut in Python, looks the chat
 (``"\n"``, ``"assistant\n"``, a default system prompt, found by rendering placeholder conversations) up in a
 table, and hands only the other pieces to ``tokenizers``. It is checked against ``tokenizers`` on sample texts
 when built and not used when any differs.
+
+Streaming a turn (the session endpoint sends one chunk per sampled id) needs the text each id adds:
+``ChatTokenizer.stream_texts`` gets it from ``tokenizers``' ``DecodeStream`` in one pass over the ids (decoding
+every prefix of the turn instead costs O(n²)), then compares it once with the whole turn's decode.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import jinja2
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from rollout_ledger.shared.errors import RolloutError
 
@@ -101,6 +106,26 @@ class ChatTokenizer:
         as_list = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
         return str(self.tokenizer.decode(as_list, skip_special_tokens=skip_special_tokens))
 
+    def stream_texts(self, ids: Sequence[int] | np.ndarray) -> list[str]:
+        """The text each id adds to ``decode(ids, skip_special_tokens=True)``: one piece per id, in linear time.
+
+        A special token adds ""; an id that leaves a UTF-8 character incomplete adds "" and the id completing it
+        carries the character. The pieces always concatenate to exactly that decode: ``DecodeStream`` decodes a
+        short window of ids per step, and where its text parts from the whole decode (a decoder rewriting text
+        across more ids than the window, a character that never completes) ``_agree`` mends the pieces.
+        """
+        as_list = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
+        stream = DecodeStream(skip_special_tokens=True)
+        pieces: list[str] = []
+        for tid in as_list:
+            try:
+                piece = stream.step(self.tokenizer, tid)
+            except Exception:  # tokenizers' "invalid prefix": the window's text no longer extends what was
+                break  # sent; the remaining ids go to the mend
+            pieces.append(piece or "")
+        pieces.extend("" for _ in range(len(as_list) - len(pieces)))
+        return _agree(pieces, self.decode(as_list, skip_special_tokens=True))
+
 
 _PLACEHOLDER = "PLACEHOLDER"
 _SAMPLES = ("", "x", " spaces  and ünïcödé 🎲 ", "\n\n  ", "What is 12 + 7?", "it's   \t done.\n", "a<|im_end|>b")
@@ -176,6 +201,28 @@ class SegmentEncoder:
 
     def _encode_piece(self, piece: str) -> list[int]:
         return list(self.tokenizer.encode(piece, add_special_tokens=False).ids)
+
+
+def _agree(pieces: list[str], full: str) -> list[str]:
+    """``pieces`` made to concatenate to ``full``: kept while they spell it, the one where they part cut back to
+    what it shares with ``full``, the ones after it emptied, and the rest of ``full`` added to the last piece."""
+    if not pieces or "".join(pieces) == full:
+        return pieces
+    out: list[str] = []
+    pos = 0
+    for piece in pieces:
+        if full.startswith(piece, pos):
+            out.append(piece)
+            pos += len(piece)
+            continue
+        rest = full[pos:pos + len(piece)]
+        shared = next((k for k, (a, b) in enumerate(zip(piece, rest, strict=False)) if a != b), len(rest))
+        out.append(piece[:shared])
+        pos += shared
+        break
+    out.extend("" for _ in range(len(pieces) - len(out)))
+    out[-1] += full[pos:]
+    return out
 
 
 def _placeholder_renders(chat: ChatTokenizer, content: str) -> list[str]:

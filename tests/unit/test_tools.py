@@ -9,12 +9,15 @@ import pytest
 from rollout_ledger.services.envs.tools import (
     AgentTurn,
     Param,
+    ToolBlock,
     ToolCall,
     ToolCallError,
     ToolCallErrorKind,
     ToolSpec,
     format_call,
+    parse_block,
     parse_turn,
+    scan_blocks,
     validate_call,
 )
 
@@ -63,6 +66,30 @@ def test_only_the_first_call_is_taken() -> None:
     # a malformed later call does not matter; a trailing unclosed one is dropped from the text
     turn = parse_turn('<tool_call>{"name": "done"}</tool_call> then <tool_call>{"name": ')
     assert turn.call == ToolCall("done", {}) and turn.extra_calls == 1 and turn.text == "then"
+
+
+def test_scan_blocks_cuts_blocks_and_the_text_outside_them() -> None:
+    assert scan_blocks("no call") == ([], ["no call"])
+    assert scan_blocks("") == ([], [""])
+    text = 'a <tool_call>{"name": "x"}</tool_call> b <tool_call>[1]</tool_call><tool_call>{"name": '
+    blocks, outside = scan_blocks(text)
+    assert outside == ["a ", " b ", "", ""]  # one piece more than blocks; empty after an unclosed block
+    assert [(b.body, b.closed) for b in blocks] == [('{"name": "x"}', True), ("[1]", True), ('{"name": ', False)]
+    assert [text[b.start:b.end] for b in blocks] == [
+        '<tool_call>{"name": "x"}</tool_call>', "<tool_call>[1]</tool_call>", '<tool_call>{"name": ']
+    assert "".join(o + text[b.start:b.end] for o, b in zip(outside, blocks, strict=False)) + outside[-1] == text
+    # a nested open tag belongs to the body of the block around it
+    inner = scan_blocks("<tool_call> <tool_call> </tool_call>x")
+    assert inner == ([ToolBlock(0, 36, " <tool_call> ", True)], ["", "x"])
+
+
+def test_parse_block_is_parse_turn_on_one_block() -> None:
+    blocks, _ = scan_blocks('<tool_call>{"name": "done"}</tool_call> <tool_call>{"name": "get_order"')
+    assert parse_block(blocks[0]) == ToolCall("done", {})
+    with pytest.raises(ToolCallError) as err:
+        parse_block(blocks[1])
+    assert err.value.kind is K.UNCLOSED
+    assert parse_block(scan_blocks('<tool_call>{"name": "done"}')[0][0]) == ToolCall("done", {})
 
 
 @pytest.mark.parametrize("text, kind", [

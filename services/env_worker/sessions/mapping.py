@@ -1,14 +1,15 @@
 """Model text and token ids <-> OpenAI chat-completion objects: tool calls, logprobs, responses and SSE chunks.
 
-Pure functions. A turn's text is searched for hermes ``<tool_call>{json}</tool_call>`` blocks (each parsed by
-``envs.tools.parse_turn``, the same parser the built-in tool environments use); when every block parses, the
-turn becomes an assistant message with ``tool_calls`` (arguments as a JSON string, as OpenAI sends them) and the
-text outside the blocks as ``content`` (null when empty); when any block is malformed the whole text stays
-``content`` and ``finish_reason`` is what the engine said (as vLLM's hermes parser does). Streams are the
-whole turn replayed as chunks (the engine returns a turn at once): a role chunk carrying ``prompt_token_ids``,
-one content chunk per sampled token with its logprobs and ``token_ids``, one chunk per tool call, a last chunk
-with ``finish_reason``, and with ``stream_options.include_usage`` a usage chunk without choices; then
-``data: [DONE]``.
+Pure functions. A turn's text is cut into hermes ``<tool_call>{json}</tool_call>`` blocks by
+``envs.tools.scan_blocks`` and each block parsed by ``envs.tools.parse_block`` (the scanner and parser the
+built-in tool environments use); when every block parses, the turn becomes an assistant message with
+``tool_calls`` (arguments as a JSON string, as OpenAI sends them) and the text outside the blocks as
+``content`` (null when empty); when any block is malformed the whole text stays ``content`` and
+``finish_reason`` is what the engine said (as vLLM's hermes parser does). Streams are the whole turn replayed
+as chunks (the engine returns a turn at once): a role chunk carrying ``prompt_token_ids``, one content chunk
+per sampled token with its logprobs and ``token_ids`` (the texts decoded incrementally by
+``ChatTokenizer.stream_texts``), one chunk per tool call, a last chunk with ``finish_reason``, and with
+``stream_options.include_usage`` a usage chunk without choices; then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_ledger.services.envs.tools import CLOSE, OPEN, ToolCallError, parse_turn
+from rollout_ledger.services.envs.tools import ToolCallError, parse_block, scan_blocks
 from rollout_ledger.shared.kit.chat import ChatTokenizer
 
 Message = dict[str, Any]
@@ -55,23 +56,11 @@ class AssistantTurn:
 
 def split_tool_blocks(text: str) -> tuple[list[str], list[str]] | None:
     """``text`` cut into its ``<tool_call>`` blocks (tags included; an unclosed last one runs to the end) and the
-    pieces outside them; None when there is no block."""
-    if OPEN not in text:
+    pieces outside them (``envs.tools.scan_blocks`` as text); None when there is no block."""
+    blocks, outside = scan_blocks(text)
+    if not blocks:
         return None
-    blocks: list[str] = []
-    outside: list[str] = []
-    pos = 0
-    while (start := text.find(OPEN, pos)) >= 0:
-        outside.append(text[pos:start])
-        end = text.find(CLOSE, start + len(OPEN))
-        if end < 0:
-            blocks.append(text[start:])
-            pos = len(text)
-            break
-        blocks.append(text[start:end + len(CLOSE)])
-        pos = end + len(CLOSE)
-    outside.append(text[pos:])
-    return blocks, outside
+    return [text[b.start:b.end] for b in blocks], outside
 
 
 def call_id(seed: str, index: int) -> str:
@@ -85,17 +74,14 @@ def assistant_turn(action: str, finish_reason: str, *, parse_tools: bool, id_see
     ``finish_reason`` is the engine's (``stop``/``length``/``abort``: abort is reported as ``stop``).
     """
     reason = "length" if finish_reason == "length" else "stop"
-    split = split_tool_blocks(action) if parse_tools else None
-    if split is None:
+    blocks, outside = scan_blocks(action) if parse_tools else ([], [])
+    if not blocks:
         return AssistantTurn(content=action, tool_calls=[], finish_reason=reason)
-    blocks, outside = split
     calls = []
     for i, block in enumerate(blocks):
         try:
-            call = parse_turn(block).call
+            call = parse_block(block)
         except ToolCallError:
-            return AssistantTurn(content=action, tool_calls=[], finish_reason=reason)
-        if call is None:  # pragma: no cover - a block always holds the open tag
             return AssistantTurn(content=action, tool_calls=[], finish_reason=reason)
         calls.append({"id": call_id(id_seed, i), "type": "function",
                       "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}})
@@ -196,20 +182,9 @@ class Completion:
 
 def token_texts(tok: ChatTokenizer, token_ids: Sequence[int]) -> list[str]:
     """The content text each sampled id adds (special tokens skipped; a multi-byte character split across ids
-    appears with the id that completes it), so the pieces concatenate to the decoded turn."""
-    out = []
-    prev = ""
-    for i in range(1, len(token_ids) + 1):
-        text = tok.decode(token_ids[:i], skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the ids that complete it
-            out.append("")
-            continue
-        out.append(text[len(prev):])
-        prev = text
-    if out:
-        full = tok.decode(token_ids, skip_special_tokens=True)
-        out[-1] += full[len(prev):]
-    return out
+    appears with the id that completes it), so the pieces concatenate to the decoded turn. Linear in the turn's
+    length (``ChatTokenizer.stream_texts``)."""
+    return tok.stream_texts(token_ids)
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
