@@ -313,14 +313,16 @@ def feed_prune(
 def feed_consumers(
     database_url: str = typer.Option(None, help="Postgres DSN (default: ROLLOUT_EXPORT_DATABASE_URL, DATABASE_URL)"),
 ) -> None:
-    """Every consumer's cursor, slowest first, with the feed entries after it (the first holds retention back)."""
+    """Every consumer's cursor, slowest first (the first holds retention back): behind N counts the feed entries
+    after it that announce a trajectory inside the selection the consumer was last served with (docs/export.md)."""
     from rollout_ledger.services.exporter.retention import consumers
     from rollout_ledger.services.exporter.settings import ExporterSettings
 
     url = database_url or ExporterSettings().reader_url()
     for c in consumers(url):
-        typer.echo(f"{c.consumer}\tposition {c.position}\tbehind {c.behind}\tdeliveries {c.deliveries}\t"
-                   f"records {c.delivered}\tupdated {c.updated_at.isoformat()}")
+        typer.echo(f"{c.consumer}\tposition {c.position}\tbehind {c.behind} (of {c.entries} feed entries after "
+                   f"the cursor)\tdeliveries {c.deliveries}\trecords {c.delivered}\tupdated "
+                   f"{c.updated_at.isoformat()}")
 
 
 @app.command()

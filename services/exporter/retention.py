@@ -50,13 +50,14 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
 import structlog
 
 from rollout_ledger.services.exporter.cursor import Position
+from rollout_ledger.services.exporter.selection import RewardChoice, Selection, _filters
 from rollout_ledger.services.exporter.source import connect
 from rollout_ledger.shared.errors import RolloutError
 
@@ -96,14 +97,21 @@ class PruneResult:
 
 @dataclass(frozen=True)
 class ConsumerLag:
-    """A consumer's cursor and how many feed entries lie after it."""
+    """A consumer's cursor and what lies after it in the feed (``consumers``)."""
 
     consumer: str
     position: Position
     deliveries: int
     delivered: int
     behind: int
+    """Feed entries after the cursor that the consumer would read into its selection: each announces a trajectory
+    (not a group marker) inside the selection's row filters (``lag_query``)."""
     updated_at: dt.datetime
+    entries: int
+    """Every feed entry after the cursor, inside the selection or not (what retention must keep for it)."""
+    selection: Selection | None
+    """The selection the consumer was last served with (``export_cursors.selection``); None: none stored yet (it
+    has never advanced), so ``behind`` counts every entry that announces a trajectory."""
 
 
 def parse_age(text: str) -> dt.timedelta:
@@ -187,15 +195,83 @@ def prune(database_url: str, *, older_than: dt.timedelta | None = None, batch: i
     return result
 
 
-def consumers(database_url: str) -> list[ConsumerLag]:
-    """Every consumer's cursor, slowest first (the first one holds `rollout feed prune` back)."""
-    conn = connect(database_url, autocommit=True)
+_MARKER = 0
+"""``trajectory_feed.attempt`` of a group marker (migration 0007): it announces no trajectory."""
+
+
+def stored_selection(doc: Any) -> Selection | None:
+    """The selection ``Cursors.advance`` stored (``Selection.as_json``), read back: row filters, group filters and
+    the reward (the advantage shapes values, not what is selected: left at its default). None when nothing is
+    stored yet, or when this version cannot read what is."""
+    if doc is None:
+        return None
+
+    def when(key: str) -> dt.datetime | None:
+        value = doc.get(key)
+        return dt.datetime.fromisoformat(value) if value is not None else None
+
     try:
-        rows = conn.execute(
-            "SELECT c.consumer, c.xid, c.seq, c.deliveries, c.delivered, c.updated_at, "
-            "(SELECT count(*) FROM trajectory_feed f WHERE (f.xid, f.seq) > (c.xid, c.seq)) "
-            "FROM export_cursors c ORDER BY c.xid, c.seq, c.consumer").fetchall()
+        return Selection(
+            batch_ids=tuple(doc.get("batch_ids") or ()), envs=tuple(doc.get("envs") or ()),
+            statuses=tuple(doc.get("statuses") or ()), reward_min=doc.get("reward_min"),
+            reward_max=doc.get("reward_max"), since=when("since"), until=when("until"), version=doc.get("version"),
+            max_staleness=doc.get("max_staleness"), complete_groups=bool(doc.get("complete_groups")),
+            drop_uniform=bool(doc.get("drop_uniform")), reward=RewardChoice.parse(doc.get("reward") or ""))
+    except (AttributeError, TypeError, ValueError) as exc:
+        log.warning("consumer_selection_unreadable", selection=doc, error=str(exc))
+        return None
+
+
+def lag_query(sel: Selection | None) -> tuple[str, dict[str, Any]]:
+    """ONE query for a consumer with selection ``sel`` at the cursor ``%(cursor_xid)s``, ``%(cursor_seq)s``:
+    ``entries``, every feed entry after the cursor, and ``behind``, those of them the consumer would read into its
+    selection: entries that announce a trajectory (not group markers), of the selection's batches (the feed
+    carries ``batch_id``), whose episode's stored trajectory passes the selection's other row filters (env,
+    status, reward range, time range, weight-version window, a re-score to exist), built by the same
+    ``selection._filters`` as a read's query. The group filters (complete groups, uniform rewards) are not
+    applied: a read decides them per group when it takes the group's latest entry (a group still incomplete is
+    delivered when its last member lands), so ``behind`` counts entries, not the records still to come.
+
+    Cost: one range scan of the feed's position index after the cursor, plus, only with row filters beyond the
+    batch, one primary-key lookup per entry of the selection's batches: never a scan of the store, so a consumer
+    that is caught up costs about nothing, selective or not.
+    """
+    params: dict[str, Any] = {}
+    conds = [f"f.attempt <> {_MARKER}"]
+    if sel is not None:
+        if sel.batch_ids:
+            conds.append("f.batch_id = ANY(%(batch_ids)s)")
+            params["batch_ids"] = list(sel.batch_ids)
+        rest = _filters(replace(sel, batch_ids=()))
+        if rest.where or rest.reward_join:
+            conds.append(f"EXISTS (SELECT 1 FROM trajectories t JOIN episodes e ON e.id = t.episode_id "
+                         f"{rest.reward_join} WHERE t.episode_id = f.episode_id AND "
+                         f"{' AND '.join(rest.where) or 'TRUE'})")
+            params.update(rest.params)
+    query = (f"SELECT count(*) AS entries, count(*) FILTER (WHERE {' AND '.join(conds)}) AS behind "
+             "FROM trajectory_feed f WHERE (f.xid, f.seq) > (%(cursor_xid)s, %(cursor_seq)s)")
+    return query, params
+
+
+def consumers(database_url: str) -> list[ConsumerLag]:
+    """Every consumer's cursor, slowest first (the first one holds `rollout feed prune` back), with the feed
+    entries after it and how many of them are inside the selection it was last served with (``lag_query``), all in
+    one snapshot."""
+    conn = connect(database_url)
+    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    out: list[ConsumerLag] = []
+    try:
+        with conn.transaction():
+            rows = conn.execute(
+                "SELECT consumer, xid, seq, deliveries, delivered, updated_at, selection "
+                "FROM export_cursors ORDER BY xid, seq, consumer").fetchall()
+            for consumer, xid, seq, deliveries, delivered, updated_at, doc in rows:
+                sel = stored_selection(doc)
+                query, params = lag_query(sel)
+                counts = conn.execute(query, {**params, "cursor_xid": xid, "cursor_seq": seq}).fetchone()
+                entries, behind = (int(counts[0]), int(counts[1])) if counts else (0, 0)
+                out.append(ConsumerLag(str(consumer), Position(int(xid), int(seq)), int(deliveries), int(delivered),
+                                       behind, updated_at, entries, sel))
     finally:
         conn.close()
-    return [ConsumerLag(str(r[0]), Position(int(r[1]), int(r[2])), int(r[3]), int(r[4]), int(r[6]), r[5])
-            for r in rows]
+    return out
