@@ -26,4 +26,4 @@ def serve(host: str, port: int, envs: list[str], state_dir: Path | None, idle_tt
     app = create_app(ActorTable(registry, state_dir, idle_ttl_s))
     log.info("envserver.start", host=host, port=port, envs=registry.names(),
              state_dir=str(state_dir) if state_dir else None)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level="warning", log_config=None, access_log=False)

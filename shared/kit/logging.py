@@ -1,12 +1,17 @@
-"""structlog configuration: JSON lines (console on a TTY), contextvars for batch/episode ids."""
+"""structlog configuration: JSON lines (console on a TTY), contextvars for batch/episode ids; the stdlib loggers of
+the libraries we run (uvicorn, vLLM, nats-py, httpx, ...) rendered by the same processors into the same stream."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
 import structlog
+
+_STDLIB_FLOOR = logging.WARNING
+"""Library loggers speak from this level up (or the service's level, when higher): their INFO lines are noise."""
 
 
 def configure_logging(level: str = "INFO", fmt: str = "auto", service: str = "") -> None:
@@ -17,11 +22,14 @@ def configure_logging(level: str = "INFO", fmt: str = "auto", service: str = "")
     else:
         renderer = structlog.processors.JSONRenderer()
     numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *shared,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
             renderer,
@@ -30,7 +38,25 @@ def configure_logging(level: str = "INFO", fmt: str = "auto", service: str = "")
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr, format="%(name)s %(message)s")
+    # Library (stdlib) records: the same processors and renderer, with the logger's name. vLLM installs its own
+    # plain-text handler unless told not to (read when vllm is imported, after this).
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder()],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info,
+                    renderer],
+    ))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(max(numeric, _STDLIB_FLOOR))
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "vllm"):
+        lib = logging.getLogger(name)  # drop handlers a library installed itself; its records reach ours
+        for old in list(lib.handlers):
+            lib.removeHandler(old)
+        lib.propagate = True
     if service:
         structlog.contextvars.bind_contextvars(service=service)
 

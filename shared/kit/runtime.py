@@ -87,7 +87,8 @@ class HttpServer:
     """
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None, access_log=False,
+                                lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.server = _QuietServer(config)
         self._task: asyncio.Task[None] | None = None
