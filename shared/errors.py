@@ -18,6 +18,20 @@ class SchemaError(RolloutError):
     """A message or record did not match the contract (never retryable: the bytes will not change)."""
 
 
+class NewerContractError(SchemaError):
+    """A message written at a newer major version of the event contract than this code reads.
+
+    Not garbage: a newer producer in a rolling upgrade. Consumers park it (nak with a delay, a work item handed
+    back for a newer worker) and count it; they never dead-letter or terminate it. Retryable: an upgraded
+    consumer will read it."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 class BusError(RolloutError):
     """NATS could not be reached or refused an operation."""
 

@@ -5,7 +5,13 @@ Rules (pinned by tests/contract):
   ``schema_version``, ``episode_id``, ``batch_id``, ``attempt``, ``seq``, ``produced_by`` and ``time``;
 - ``event_id`` is deterministic for a logical event (episode, attempt, position, try), so a producer that
   retries a publish produces the same id;
-- a breaking change is a new ``type``, never an edit of an existing one; adding an optional field is fine.
+- readers are tolerant: a field they do not know is ignored (a newer producer may add optional fields with
+  defaults at any time, without a version change), so old and new pods run side by side in a rolling upgrade;
+- ``schema_version`` is the contract's major version. Removing or retyping a field, making a field required, or
+  adding an event type raises it. ``decode`` refuses an event of a newer major with ``NewerContractError``
+  (never a plain ``SchemaError``): consumers park such an event (nak with a delay, or a work item handed back
+  for a newer worker) and count it; they never dead-letter or terminate it. See docs/architecture.md,
+  "Contract evolution".
 
 ``seq`` orders the events of one attempt: started is 0, turn ``t`` is ``2t+1``, its step ``2t+2``, and the
 terminal event is ``2T+1`` where T is the number of turns.
@@ -18,14 +24,17 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgpack
-import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from rollout_ledger.shared.arrays import Floats, TokenIds
-from rollout_ledger.shared.errors import SchemaError
+from rollout_ledger.shared.errors import NewerContractError, SchemaError
 
 SCHEMA_VERSION = 1
+"""The contract's major version this code writes and reads (events of any lower major are read too)."""
+
+_TOLERANT = ConfigDict(extra="ignore", frozen=True)
+"""Every model of the contract: unknown fields (from a newer producer) are ignored, not an error."""
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -37,7 +46,7 @@ def utcnow() -> datetime:
 class SamplingParams(BaseModel):
     """Sampling parameters passed to the engine for every turn of an episode."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _TOLERANT
 
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     """Softmax temperature; 0 is greedy."""
@@ -58,7 +67,7 @@ class SamplingParams(BaseModel):
 class ContextPolicy(BaseModel):
     """Which part of the conversation each turn of an episode is generated from."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _TOLERANT
 
     policy: Literal["full", "window"] = "full"
     """``full``: the whole conversation (one segment per episode unless the template rewrites history);
@@ -109,14 +118,14 @@ class FailureClass(enum.StrEnum):
 
 
 class _Event(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, arbitrary_types_allowed=True)
 
     type: str
     """The event type (each subclass pins it to a literal: the union's discriminator)."""
     event_id: str = Field(min_length=1, max_length=256)
     """Unique and deterministic per logical event; the ``Nats-Msg-Id`` it is published with."""
-    schema_version: int = SCHEMA_VERSION
-    """Version of this event type's schema."""
+    schema_version: int = Field(SCHEMA_VERSION, ge=1, strict=True)
+    """The contract's major version the producer wrote (see the module docstring)."""
     episode_id: str = Field(min_length=1, max_length=128)
     """The episode this event belongs to."""
     batch_id: str = Field(min_length=1, max_length=128)
@@ -304,8 +313,6 @@ Event = Annotated[
 ]
 """Any event of the contract."""
 
-TERMINAL_TYPES = frozenset({"episode.finished", "episode.failed", "episode.cancelled"})
-
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 
@@ -329,18 +336,34 @@ def _unpack(data: bytes | str) -> Any:
         raise SchemaError(f"not a msgpack event: {type(exc).__name__}: {exc}") from exc
 
 
+def _check_version(raw: Any) -> None:
+    """Raise ``NewerContractError`` for an event written at a newer major than this code reads."""
+    if not isinstance(raw, dict):
+        return
+    version = raw.get("schema_version", SCHEMA_VERSION)
+    if type(version) is int and version > SCHEMA_VERSION:
+        raise NewerContractError(
+            f"{raw.get('type', '?')} {raw.get('event_id', '?')} is at contract version {version}; this code reads "
+            f"up to {SCHEMA_VERSION} (upgrade this service)", version=version)
+
+
 def decode(data: bytes | str) -> Event:
-    """Parse and validate any event; raises ``SchemaError`` naming what is wrong."""
+    """Parse and validate any event; raises ``NewerContractError`` for a newer major, else ``SchemaError`` naming
+    what is wrong."""
+    raw = _unpack(data)
+    _check_version(raw)
     try:
-        return _ADAPTER.validate_python(_unpack(data))
+        return _ADAPTER.validate_python(raw)
     except ValidationError as exc:
         raise SchemaError(_describe(exc)) from exc
 
 
 def decode_as(data: bytes | str, model: type[_M]) -> _M:
-    """Parse an event that must be of one type."""
+    """Parse an event that must be of one type (same errors as ``decode``)."""
+    raw = _unpack(data)
+    _check_version(raw)
     try:
-        return model.model_validate(_unpack(data))
+        return model.model_validate(raw)
     except ValidationError as exc:
         raise SchemaError(_describe(exc)) from exc
 
@@ -379,7 +402,3 @@ def event_schemas() -> dict[str, dict[str, Any]]:
 def dumps(obj: Any) -> bytes:
     """orjson with numpy support, for non-event payloads (heartbeats, KV values)."""
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-def empty_ids() -> np.ndarray:
-    return np.zeros(0, dtype="<i4")

@@ -34,6 +34,27 @@ INFER_CANCEL = "rl.infer.cancel"
 the worker running it aborts it in the engine (core NATS, every worker listens; best effort)."""
 
 
+# --- wire headers --------------------------------------------------------------------------------
+MSG_ID_HEADER = "Nats-Msg-Id"
+"""JetStream's dedupe header: every event is published with its ``event_id`` here."""
+ERROR_HEADER = "Rollout-Error"
+"""Reply header naming the error class of a failed request (an inference worker's error reply)."""
+RETRYABLE_HEADER = "Rollout-Retryable"
+"""Reply header: ``true`` when another try (possibly on another worker) can succeed, else ``false``."""
+PARKED_HEADER = "Rollout-Parked"
+"""On a work item handed back by a worker of an older contract major: how many times it was handed back (its
+``Nats-Msg-Id`` gets ``:parked<n>`` so the copy is not deduplicated against the original)."""
+STATUS_HEADER = "Status"
+"""NATS's status header on a reply the server generated."""
+NO_RESPONDERS_STATUS = "503"
+"""``Status`` of NATS's reply to a request nobody subscribes to."""
+
+
+def error_headers(error_class: str, retryable: bool) -> dict[str, str]:
+    """Headers of an error reply."""
+    return {ERROR_HEADER: error_class, RETRYABLE_HEADER: "true" if retryable else "false"}
+
+
 def infer_worker_subject(worker_id: str) -> str:
     """The subject that reaches one inference worker (session-sticky routing)."""
     return f"rl.infer.worker.{worker_id}"

@@ -34,6 +34,9 @@ class ServiceProcess:
     log_dir: Path
     name: str = ""
     port: int = field(default_factory=free_port)
+    command: tuple[str, ...] = ()
+    """The child's argv; empty: ``python -m rollout_ledger.cli.main serve <service>`` of this code (a test runs
+    another release's code this way, beside this one)."""
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -57,7 +60,7 @@ class ServiceProcess:
         env["ROLLOUT_LOG_FORMAT"] = "json"
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_ledger.cli.main", "serve", self.service],
+            list(self.command) or [sys.executable, "-m", "rollout_ledger.cli.main", "serve", self.service],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         return self
@@ -123,10 +126,11 @@ class Stack:
         return env
 
     def start(self, service: str, name: str = "", wait: bool = True, port: int | None = None,
-              **extra_env: str) -> ServiceProcess:
+              command: tuple[str, ...] = (), **extra_env: str) -> ServiceProcess:
         env = self.base_env()
         env.update({k.upper(): v for k, v in extra_env.items()})
-        proc = ServiceProcess(service, env, self.log_dir, name=name, port=port or free_port()).start()
+        proc = ServiceProcess(service, env, self.log_dir, name=name, port=port or free_port(),
+                              command=command).start()
         self.procs.append(proc)
         if wait:
             proc.wait_ready()

@@ -86,7 +86,7 @@ class DriverDeps:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class AttemptOutcome:
     """How an attempt ended; the work item is acked by the caller (the terminal event is on the stream)."""
 
     status: str
@@ -129,7 +129,7 @@ class EpisodeDriver:
         return f"{self.ep}:a{self.attempt}:end"
 
     # --- the attempt ----------------------------------------------------------------------------------
-    async def run(self) -> Outcome:
+    async def run(self) -> AttemptOutcome:
         with structlog.contextvars.bound_contextvars(episode_id=self.ep, batch_id=self.item.batch_id,
                                                      attempt=self.attempt):
             env: Env | None = None
@@ -158,7 +158,7 @@ class EpisodeDriver:
                     with contextlib.suppress(Exception):
                         await env.close()
 
-    async def _attempt(self, env: Env) -> Outcome:
+    async def _attempt(self, env: Env) -> AttemptOutcome:
         """Reset, the started event and the turns (what the deadline covers)."""
         try:
             messages = await env.reset(self.item.task)
@@ -169,7 +169,7 @@ class EpisodeDriver:
         await self._started(self.transcript, messages)
         return await self._turn_loop(env, self.transcript)
 
-    async def _turn_loop(self, env: Env, transcript: Transcript) -> Outcome:
+    async def _turn_loop(self, env: Env, transcript: Transcript) -> AttemptOutcome:
         max_turns = self.item.max_turns
         for t in range(max_turns):
             if t > 0 and self.deps.is_cancelled(self.item.batch_id):
@@ -225,8 +225,8 @@ class EpisodeDriver:
         """Turn ``t`` from an inference worker (sticky to the previous turn's worker); ``InferenceError`` when
         the budget is spent."""
         context = transcript.context
-        common = {"episode_id": self.ep, "batch_id": self.item.batch_id, "attempt": self.attempt,
-                  "seq": 2 * t + 1, "produced_by": self.deps.produced_by}
+        common: dict[str, Any] = {"episode_id": self.ep, "batch_id": self.item.batch_id, "attempt": self.attempt,
+                                  "seq": 2 * t + 1, "produced_by": self.deps.produced_by}
 
         def build(try_no: int) -> InferenceRequested:
             rid = self.request_id(t, try_no)
@@ -278,15 +278,15 @@ class EpisodeDriver:
                 fut.cancel()
             raise BusError(f"step events not acknowledged by the stream: {exc!r}") from exc
 
-    async def _terminal(self, event: EpisodeFinished | EpisodeFailed | EpisodeCancelled, status: str) -> Outcome:
+    async def _terminal(self, event: EpisodeFinished | EpisodeFailed | EpisodeCancelled, status: str) -> AttemptOutcome:
         if self._deadline is not None and not self._deadline.expired():
             self._deadline.reschedule(None)  # the outcome is decided: its publication is not cut short
         await self._flush()
         await self._publish(event)
         log.info("episode.end", status=status, turns=self.turns, reward=self.reward)
-        return Outcome(status, self.turns)
+        return AttemptOutcome(status, self.turns)
 
-    async def _finished(self, status: TrajectoryStatus, stop_reason: str) -> Outcome:
+    async def _finished(self, status: TrajectoryStatus, stop_reason: str) -> AttemptOutcome:
         transcript = self.transcript
         if transcript is None:
             raise TokenizationError("an episode finished before its prompt was built")
@@ -302,7 +302,7 @@ class EpisodeDriver:
                                 info=info)
         return await self._terminal(event, status.value)
 
-    async def _failed(self, failure_class: FailureClass, reason: str, retryable: bool = False) -> Outcome:
+    async def _failed(self, failure_class: FailureClass, reason: str, retryable: bool = False) -> AttemptOutcome:
         """The attempt failed; another attempt follows when the failure is retryable and its class's budget allows.
 
         ``num_turns`` is the turns kept (with their steps): a turn whose step failed is not part of the partial
@@ -316,7 +316,7 @@ class EpisodeDriver:
         retry = self.deps.budgets.next_item(self.item, self.attempt, failure_class) if will_retry else None
         return replace(outcome, retry=retry, failure_class=failure_class)
 
-    async def _cancelled(self) -> Outcome:
+    async def _cancelled(self) -> AttemptOutcome:
         event = EpisodeCancelled(**self._common(self._end_id, 2 * self.turns + 1), num_turns=self.turns)
         return await self._terminal(event, "cancelled")
 

@@ -7,10 +7,9 @@ own subject (session-sticky) or to ``INFER_ANY`` (queue group, when no worker is
 second; a worker silent for ``heartbeat_timeout_s`` is dead, and requests waiting on it fail over at once
 instead of waiting for ``request_timeout_s``.
 
-Replies come back through one wildcard inbox subscription (like nats-py's ``request``) so a try can be failed
-from outside (the heartbeat reaper) without extra tasks per request. Every try has the same timeout, so the
-waiting tries are in deadline order and the reaper also fails the overdue ones from the front: no timer or
-timeout context per request (at thousands of turns per second those cost more than the routing itself).
+Replies come back through a ``ReplyInbox`` (shared/kit/inbox.py: one wildcard subscription, one deadline
+sweeper, no timer or task per request; at thousands of turns per second those cost more than the routing
+itself), so a try can also be failed from outside: the heartbeat reaper fails the tries of a silent worker.
 """
 
 from __future__ import annotations
@@ -26,18 +25,14 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from rollout_ledger.shared.errors import InferenceError, SchemaError
+from rollout_ledger.shared.errors import InferenceError, NewerContractError, SchemaError
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, decode_as, encode
 from rollout_ledger.shared.kit.backoff import backoff_delay
+from rollout_ledger.shared.kit.inbox import ReplyInbox
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.subjects import INFER_ANY, INFER_CANCEL, INFER_HEARTBEAT
+from rollout_ledger.shared.subjects import ERROR_HEADER, INFER_ANY, INFER_CANCEL, INFER_HEARTBEAT, RETRYABLE_HEADER
 
 log = get_logger(__name__)
-
-ERROR_HEADER = "Rollout-Error"
-RETRYABLE_HEADER = "Rollout-Retryable"
-_STATUS_HEADER = "Status"
-_NO_RESPONDERS = "503"
 
 
 class TryFailed(InferenceError):
@@ -97,20 +92,19 @@ class InferenceClient:
         self.workers: dict[str, WorkerState] = {}
         self._on_retry = on_retry or (lambda: None)
         self._on_latency = on_latency or (lambda _s: None)
-        self._waiting: dict[str, tuple[asyncio.Future[Msg], float, str]] = {}
-        """token -> (reply future, deadline, subject); insertion order is deadline order (one timeout for all)."""
+        self._inbox: ReplyInbox[Msg] = ReplyInbox(
+            nc, config.request_timeout_s, resolve=lambda fut, msg: fut.set_result(msg),
+            on_timeout=lambda subject: TryFailed(f"no reply from {subject} within {config.request_timeout_s}s"),
+            on_no_responders=lambda _subject: TryFailed("no responders"))
         self._waiting_any: set[asyncio.Future[Msg]] = set()
         """Tries sent to ``INFER_ANY``: whoever took them is unknown, so any worker's death fails them over."""
         self._first_heartbeat = asyncio.Event()
-        self._inbox_prefix = ""
-        self._counter = 0
         self._subs: list[Subscription] = []
         self._reaper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Subscribe to heartbeats and the reply inbox; start the reaper of silent workers."""
-        self._inbox_prefix = f"{self.nc.new_inbox()}."
-        self._subs.append(await self.nc.subscribe(f"{self._inbox_prefix}*", cb=self._on_reply))
+        await self._inbox.start()
         self._subs.append(await self.nc.subscribe(INFER_HEARTBEAT, cb=self._on_heartbeat))
         self._reaper = asyncio.create_task(self._reap_forever())
 
@@ -130,9 +124,7 @@ class InferenceClient:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs.clear()
-        for fut, _, _ in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(TryFailed("inference client stopped"))
+        await self._inbox.stop(lambda: TryFailed("inference client stopped"))
 
     # --- registry ---------------------------------------------------------------------------------
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -176,23 +168,15 @@ class InferenceClient:
         return [s.worker_id for s in dead]
 
     def expire(self) -> int:
-        """Fail the tries whose reply is overdue (``request_timeout_s``); returns how many."""
-        now = asyncio.get_running_loop().time()
-        expired = 0
-        for fut, deadline, subject in self._waiting.values():
-            if deadline > now:
-                break
-            if not fut.done():
-                fut.set_exception(TryFailed(f"no reply from {subject} within {self.config.request_timeout_s}s"))
-                expired += 1
-        return expired
+        """Fail the tries whose reply is overdue (``request_timeout_s``); returns how many (the inbox's sweeper
+        does this on its own)."""
+        return self._inbox.sweep()
 
     async def _reap_forever(self) -> None:
-        interval = min(max(0.05, self.config.heartbeat_timeout_s / 4), max(0.01, self.config.request_timeout_s / 10))
+        interval = max(0.05, self.config.heartbeat_timeout_s / 4)
         while True:
             await asyncio.sleep(interval)
             self.reap()
-            self.expire()
 
     def choose(self, prefer: str | None = None, exclude: frozenset[str] | set[str] = frozenset()) -> WorkerState | None:
         """The sticky worker when it is live, not draining and has room; else the least loaded; else None."""
@@ -211,33 +195,19 @@ class InferenceClient:
         return best
 
     # --- requests ---------------------------------------------------------------------------------
-    async def _on_reply(self, msg: Msg) -> None:
-        entry = self._waiting.get(msg.subject[len(self._inbox_prefix):])
-        if entry is None or entry[0].done():
-            return
-        fut = entry[0]
-        if msg.headers and msg.headers.get(_STATUS_HEADER) == _NO_RESPONDERS and not msg.data:
-            fut.set_exception(TryFailed("no responders"))
-        else:
-            fut.set_result(msg)
-
     async def request_once(self, subject: str, payload: bytes, worker: WorkerState | None) -> Msg:
         """One try: publish the request and wait for its reply, the worker's loss, or the timeout (``expire``)."""
-        loop = asyncio.get_running_loop()
-        self._counter += 1
-        token = str(self._counter)
-        fut: asyncio.Future[Msg] = loop.create_future()
-        self._waiting[token] = (fut, loop.time() + self.config.request_timeout_s, subject)
+        token, reply, fut = self._inbox.open(subject)
         if worker is not None:
             worker.waiting.add(fut)
             worker.local_inflight += 1
         else:
             self._waiting_any.add(fut)
         try:
-            await self.nc.publish(subject, payload, reply=self._inbox_prefix + token)
+            await self.nc.publish(subject, payload, reply=reply)
             return await fut
         finally:
-            del self._waiting[token]
+            self._inbox.close(token)
             if worker is not None:
                 worker.waiting.discard(fut)
                 worker.local_inflight -= 1
@@ -276,6 +246,12 @@ class InferenceClient:
                 if worker is not None:
                     excluded.add(worker.worker_id)
                 log.info("inference.try_failed", request_id=request.request_id, subject=subject, error=str(exc))
+                continue
+            except NewerContractError as exc:
+                # a worker of a newer contract major (rolling upgrade): try another one
+                last = TryFailed(f"{subject} answered in a newer contract: {exc}")
+                if worker is not None:
+                    excluded.add(worker.worker_id)
                 continue
             except SchemaError as exc:
                 raise InferenceError(f"malformed reply from {subject}: {exc}", retryable=False) from exc

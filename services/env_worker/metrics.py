@@ -22,6 +22,7 @@ class EnvWorkerMetrics:
     cancelled_batches: Gauge
     remote_env_retries: Counter
     attempts_retried: Counter
+    work_items_parked: Counter
 
 
 def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics:
@@ -46,4 +47,7 @@ def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics
         attempts_retried=Counter("rollout_attempts_retried_total",
                                  "Failed episode attempts given another attempt, by failure class",
                                  ["failure_class"], registry=registry),
+        work_items_parked=Counter("rollout_work_items_parked_total",
+                                  "Work items of a newer contract major handed back for an upgraded worker",
+                                  registry=registry),
     )

@@ -6,24 +6,18 @@ from pydantic import Field, field_validator
 
 from rollout_ledger.services.envs.remote import RemoteConfig, RemoteEndpoint, parse_remote_envs
 from rollout_ledger.shared.events import FailureClass
-from rollout_ledger.shared.kit.settings import BaseServiceSettings
+from rollout_ledger.shared.kit.settings import ConsumerSettings
 
 
-class EnvWorkerSettings(BaseServiceSettings):
+class EnvWorkerSettings(ConsumerSettings):
     """How many episodes run at once, the work queue's ack policy, context and inference budgets."""
 
     concurrency: int = Field(64, ge=1)
     """Episodes in flight in this process; the worker fetches only as many work items as it has free slots."""
-    ack_wait_s: float = Field(30.0, gt=0)
-    """Work items are redelivered after this long without progress (the worker reports progress every third)."""
     max_deliver: int = Field(3, ge=1)
     """Deliveries of one work item before NATS gives up on it (the recorder then marks it failed: infra)."""
-    max_ack_pending: int = Field(20000, ge=1)
-    """Unacknowledged work items the consumer allows across all env workers."""
     fetch_batch: int = Field(64, ge=1)
     """Work items fetched per pull at most (also bounded by free slots)."""
-    fetch_timeout_s: float = Field(1.0, gt=0)
-    """How long one pull waits for work."""
     max_model_len: int = Field(2048, ge=16)
     """Context length of the policy: a turn gets ``min(sampling.max_tokens, room left)`` new tokens; no room
     left truncates the episode (stop reason ``context_length``)."""

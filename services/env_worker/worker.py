@@ -20,7 +20,7 @@ from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.envs.registry import EnvRegistry
-from rollout_ledger.shared.errors import BusError, SchemaError
+from rollout_ledger.shared.errors import BusError, NewerContractError, SchemaError
 from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
@@ -140,6 +140,15 @@ class EnvWorker:
     async def _handle(self, msg: Msg, deps: DriverDeps) -> None:
         try:
             item = decode_as(msg.data, EpisodeRequested)
+        except NewerContractError as exc:
+            # A newer scheduler in a rolling upgrade: not garbage. Hand it back for a newer worker.
+            self.metrics.work_items_parked.inc()
+            log.warning("work_item.newer_contract", error=str(exc), delay_s=self.settings.park_delay_s)
+            try:
+                await bus.hand_back(self.js, msg, self.settings.park_delay_s, self.settings.publish_timeout_s)
+            except BusError as bus_exc:
+                log.warning("work_item.hand_back_failed", error=str(bus_exc))
+            return
         except SchemaError as exc:
             log.error("work_item.malformed", error=str(exc))
             with contextlib.suppress(Exception):

@@ -34,18 +34,21 @@ from nats.aio.subscription import Subscription
 
 from rollout_ledger.services.inference_worker.engine import Engine
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
-from rollout_ledger.shared.errors import InferenceError, RolloutError, SchemaError
+from rollout_ledger.shared.errors import InferenceError, NewerContractError, RolloutError, SchemaError
 from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.publisher import StreamPublisher
-from rollout_ledger.shared.subjects import INFER_ANY, INFER_CANCEL, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
+from rollout_ledger.shared.subjects import (
+    INFER_ANY,
+    INFER_CANCEL,
+    INFER_HEARTBEAT,
+    INFER_QUEUE,
+    error_headers,
+    infer_worker_subject,
+)
 
 log = get_logger(__name__)
 
-ERROR_HEADER = "Rollout-Error"
-"""Reply header naming the error class of a failed request."""
-RETRYABLE_HEADER = "Rollout-Retryable"
-"""Reply header: ``true`` when another try (possibly on another worker) can succeed."""
 OVERLOADED = "Overloaded"
 """Error class of the immediate reply when the worker is at ``max_inflight``."""
 
@@ -71,11 +74,6 @@ class WorkerIdentity:
 def request_log(request: InferenceRequested) -> Any:
     """A logger bound to the request's episode and batch (built only when there is something to log)."""
     return log.bind(episode_id=request.episode_id, batch_id=request.batch_id, request_id=request.request_id)
-
-
-def error_headers(error_class: str, retryable: bool) -> dict[str, str]:
-    """Headers of an error reply."""
-    return {ERROR_HEADER: error_class, RETRYABLE_HEADER: "true" if retryable else "false"}
 
 
 class InferenceServer:
@@ -191,6 +189,12 @@ class InferenceServer:
     async def _serve(self, msg: Msg, received: float) -> None:
         try:
             request = decode_as(msg.data, InferenceRequested)
+        except NewerContractError as exc:
+            # A newer env worker in a rolling upgrade: another (upgraded) worker can serve it.
+            self.metrics.outcome["newer_contract"].inc()
+            log.warning("inference.newer_contract", error=str(exc))
+            await self._reply_error(msg, type(exc).__name__, True, str(exc))
+            return
         except SchemaError as exc:
             self.metrics.outcome["bad_request"].inc()
             log.warning("inference.bad_request", error=str(exc))

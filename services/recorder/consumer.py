@@ -23,15 +23,16 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from rollout_ledger.shared.errors import BusError, SchemaError, StoreError
+from rollout_ledger.shared.errors import BusError, NewerContractError, SchemaError, StoreError
 from rollout_ledger.shared.events import EpisodeFailed, EpisodeRequested, FailureClass, decode, decode_as
 from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.backoff import Backoff
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import Shutdown, sleep_or_shutdown
 from rollout_ledger.shared.subjects import WORK_STREAM
 
 from .metrics import RecorderMetrics
-from .recording import Action, Delivery, Outcome, Policy, dead_letter_for, record_batch
+from .recording import NEWER_CONTRACT, Action, BatchOutcome, Delivery, dead_letter_for, record_batch
 from .settings import RecorderSettings
 from .store import DeadLetter, Store
 
@@ -52,23 +53,13 @@ def to_delivery(msg: Msg) -> Delivery:
                  payload=bytes(msg.data), headers=dict(msg.headers) if msg.headers else None)
     try:
         d.event = decode(msg.data)
+    except NewerContractError as exc:
+        d.error, d.error_class = f"newer contract: {exc}", NEWER_CONTRACT
     except SchemaError as exc:
         d.error, d.error_class = f"schema: {exc}", "schema"
     except Exception as exc:  # any other failure to parse the bytes is still a poison message
         d.error, d.error_class = f"undecodable: {type(exc).__name__}: {exc}", "undecodable"
     return d
-
-
-class Backoff:
-    """Exponential delays from ``initial`` doubling up to ``cap``."""
-
-    def __init__(self, initial: float, cap: float) -> None:
-        self.initial, self.cap, self.next = initial, cap, initial
-
-    def delay(self) -> float:
-        d = self.next
-        self.next = min(self.cap, self.next * 2)
-        return d
 
 
 class EventConsumer:
@@ -83,7 +74,6 @@ class EventConsumer:
         self.metrics = metrics
         self.shutdown = shutdown
         self.on_store = on_store
-        self.policy = Policy(assembly_max_deliveries=settings.assembly_max_deliveries)
 
     async def run(self) -> None:
         """Until shutdown: fetch, write, ack. The batch in hand is always finished first."""
@@ -102,7 +92,7 @@ class EventConsumer:
         await self._settle(msgs, outcome)
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
 
-    async def _write(self, batch: list[Delivery]) -> Outcome | None:
+    async def _write(self, batch: list[Delivery]) -> BatchOutcome | None:
         try:
             return await self._retrying(lambda: self._once(batch))
         except StoreError as exc:
@@ -111,9 +101,9 @@ class EventConsumer:
             log.warning("recorder.batch_rejected", error=str(exc), size=len(batch))
             return await self._one_by_one(batch)
 
-    async def _once(self, batch: list[Delivery]) -> Outcome:
+    async def _once(self, batch: list[Delivery]) -> BatchOutcome:
         async with self.store.transaction() as tx:
-            return await record_batch(tx, batch, self.policy)
+            return await record_batch(tx, batch, self.settings.assembly_max_deliveries)
 
     async def _retrying(self, op: Callable[[], Awaitable[_T]]) -> _T:
         """Run ``op`` until it succeeds or fails non-retryably; retryable store errors back off (cap ~5 s).
@@ -147,8 +137,8 @@ class EventConsumer:
             self.on_store(True)
             return result
 
-    async def _one_by_one(self, batch: list[Delivery]) -> Outcome | None:
-        merged = Outcome(actions=[])
+    async def _one_by_one(self, batch: list[Delivery]) -> BatchOutcome | None:
+        merged = BatchOutcome(actions=[])
         for d in batch:
             try:
                 part = await self._retrying(functools.partial(self._once, [d]))
@@ -161,20 +151,21 @@ class EventConsumer:
             merged.dead_letters.update(part.dead_letters)
             merged.trajectories += part.trajectories
             merged.naks += part.naks
+            merged.parked += part.parked
             if part.newest_event_time and (merged.newest_event_time is None
                                            or part.newest_event_time > merged.newest_event_time):
                 merged.newest_event_time = part.newest_event_time
         return merged
 
-    async def _reject(self, d: Delivery, exc: StoreError) -> Outcome:
+    async def _reject(self, d: Delivery, exc: StoreError) -> BatchOutcome:
         async with self.store.transaction() as tx:
             await tx.add_dead_letters([dead_letter_for(d, f"store rejected: {exc}")])
         log.error("recorder.dead_letter", stream_seq=d.stream_seq, reason=str(exc))
-        out = Outcome(actions=[Action.TERM])
+        out = BatchOutcome(actions=[Action.TERM])
         out.dead_letters["store_rejected"] += 1
         return out
 
-    async def _settle(self, msgs: list[Msg], outcome: Outcome) -> None:
+    async def _settle(self, msgs: list[Msg], outcome: BatchOutcome) -> None:
         delay = self.settings.assembly_retry_delay_s
         for msg, action in zip(msgs, outcome.actions, strict=True):
             with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is idempotent
@@ -182,6 +173,8 @@ class EventConsumer:
                     await msg.ack()
                 elif action is Action.NAK:
                     await msg.nak(delay=delay)
+                elif action is Action.PARK:
+                    await msg.nak(delay=self.settings.park_delay_s)
                 else:
                     await msg.term()
         with contextlib.suppress(Exception):
@@ -192,6 +185,9 @@ class EventConsumer:
             self.metrics.dead_letters.labels(reason_class=reason_class).inc(n)
         self.metrics.trajectories_written.inc(outcome.trajectories)
         self.metrics.terminal_naks.inc(outcome.naks)
+        if outcome.parked:
+            self.metrics.newer_contract.inc(outcome.parked)
+            log.warning("recorder.parked_newer_contract", count=outcome.parked, delay_s=self.settings.park_delay_s)
         if outcome.newest_event_time is not None:
             self.metrics.lag_seconds.set(max(0.0, (datetime.now(UTC) - outcome.newest_event_time).total_seconds()))
         if outcome.dead_letters:

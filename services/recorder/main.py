@@ -10,6 +10,7 @@ from nats.js import JetStreamContext
 from rollout_ledger.shared.db import create_engine
 from rollout_ledger.shared.errors import StoreError
 from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.backoff import Backoff
 from rollout_ledger.shared.kit.logging import configure_logging, get_logger
 from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
 from rollout_ledger.shared.subjects import (
@@ -21,7 +22,7 @@ from rollout_ledger.shared.subjects import (
     ConsumerSpec,
 )
 
-from .consumer import AdvisoryConsumer, Backoff, EventConsumer
+from .consumer import AdvisoryConsumer, EventConsumer
 from .metrics import RecorderMetrics
 from .settings import RecorderSettings
 from .store import Store

@@ -20,6 +20,7 @@ class RecorderMetrics:
     trajectories_written: Counter
     store_retries: Counter
     terminal_naks: Counter
+    newer_contract: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> RecorderMetrics:
@@ -44,4 +45,7 @@ class RecorderMetrics:
             terminal_naks=Counter("rollout_recorder_terminal_naks",
                                   "Terminal events handed back because their turns were not all stored yet",
                                   registry=reg),
+            newer_contract=Counter("rollout_recorder_newer_contract",
+                                   "Events of a newer contract major handed back for an upgraded recorder (parked)",
+                                   registry=reg),
         )

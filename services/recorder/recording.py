@@ -52,6 +52,8 @@ log = get_logger(__name__)
 
 SOURCE = "recorder"
 """``dead_letters.source`` of messages from the event stream."""
+NEWER_CONTRACT = "newer_contract"
+"""``Delivery.error_class`` of an event written at a newer major of the contract (parked, never dead-lettered)."""
 
 
 class Action(enum.StrEnum):
@@ -62,6 +64,8 @@ class Action(enum.StrEnum):
     """Redeliver later (terminal event whose records are not all stored yet)."""
     TERM = "term"
     """Never redeliver (dead-lettered)."""
+    PARK = "park"
+    """Redeliver after the park delay: written at a newer major of the contract, for an upgraded recorder."""
 
 
 @dataclass
@@ -78,15 +82,8 @@ class Delivery:
     error_class: str = ""
 
 
-@dataclass(frozen=True)
-class Policy:
-    """The settings the rules need."""
-
-    assembly_max_deliveries: int
-
-
 @dataclass
-class Outcome:
+class BatchOutcome:
     """The decisions and counts of one committed batch (``actions`` aligned with the deliveries)."""
 
     actions: list[Action]
@@ -94,6 +91,8 @@ class Outcome:
     dead_letters: Counter[str] = field(default_factory=Counter)
     trajectories: int = 0
     naks: int = 0
+    parked: int = 0
+    """Messages of a newer contract major handed back (``Action.PARK``)."""
     newest_event_time: datetime | None = None
 
 
@@ -107,9 +106,12 @@ _RECORDED = (EpisodeStarted, TurnGenerated, StepCompleted, EpisodeFinished, Epis
 TerminalEvent: TypeAlias = EpisodeFinished | EpisodeFailed | EpisodeCancelled
 
 
-async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome:
-    """Write one batch inside ``tx``; return what to do with each message after the commit."""
-    out = Outcome(actions=[Action.ACK] * len(batch))
+async def record_batch(tx: Tx, batch: list[Delivery], assembly_max_deliveries: int) -> BatchOutcome:
+    """Write one batch inside ``tx``; return what to do with each message after the commit.
+
+    ``assembly_max_deliveries``: deliveries of a terminal event whose records are still incomplete after which
+    the episode is given up (failed, class infra)."""
+    out = BatchOutcome(actions=[Action.ACK] * len(batch))
     letters: list[DeadLetter] = []
     started: list[tuple[int, EpisodeStarted]] = []
     turns: dict[str, TurnGenerated] = {}
@@ -119,6 +121,10 @@ async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome
 
     for i, d in enumerate(batch):
         ev = d.event
+        if d.error_class == NEWER_CONTRACT:
+            out.actions[i] = Action.PARK
+            out.parked += 1
+            continue
         if ev is None or not isinstance(ev, _RECORDED):
             reason = d.error or f"unexpected event type {getattr(ev, 'type', '?')} on the event stream"
             letters.append(dead_letter_for(d, reason))
@@ -148,7 +154,7 @@ async def record_batch(tx: Tx, batch: list[Delivery], policy: Policy) -> Outcome
         # Episodes of a round are distinct, so chunking keeps the semantics and bounds memory: the records of at
         # most ASSEMBLY_CHUNK episodes are loaded at once, however bursty the terminal events are.
         for start in range(0, len(round_), ASSEMBLY_CHUNK):
-            await _terminals(tx, batch, round_[start:start + ASSEMBLY_CHUNK], policy, out)
+            await _terminals(tx, batch, round_[start:start + ASSEMBLY_CHUNK], assembly_max_deliveries, out)
 
     # Rows of episodes whose state did not change here only need reconciling when they are not plainly current.
     written = {(e.episode_id, e.attempt) for e in turns.values()} | {(e.episode_id, e.attempt) for e in steps.values()}
@@ -201,8 +207,8 @@ class _Writes:
     finishes: list[Finish] = field(default_factory=list)
 
 
-async def _terminals(tx: Tx, batch: list[Delivery], round_: list[tuple[int, TerminalEvent]], policy: Policy,
-                     out: Outcome) -> None:
+async def _terminals(tx: Tx, batch: list[Delivery], round_: list[tuple[int, TerminalEvent]],
+                     assembly_max_deliveries: int, out: BatchOutcome) -> None:
     """Decide every terminal event of one round (distinct episodes), then write the decisions in bulk."""
     eps = await tx.lock_episodes([ev.episode_id for _, ev in round_])
     wanted = []
@@ -216,14 +222,15 @@ async def _terminals(tx: Tx, batch: list[Delivery], round_: list[tuple[int, Term
     records = await tx.attempt_records(wanted)
     w = _Writes()
     for i, ev in round_:
-        out.actions[i] = _terminal(batch[i], ev, eps.get(ev.episode_id), records.get(ev.episode_id), policy, out, w)
+        out.actions[i] = _terminal(batch[i], ev, eps.get(ev.episode_id), records.get(ev.episode_id),
+                                   assembly_max_deliveries, out, w)
     await tx.add_dead_letters(w.letters)
     await tx.add_attempt_failures(w.failures)
     out.trajectories += await tx.upsert_trajectories(w.trajectories)
     await tx.finish_episodes(w.finishes)
 
 
-def _fail_episode(d: Delivery, ev: TerminalEvent, reason: str, reason_class: str, out: Outcome,
+def _fail_episode(d: Delivery, ev: TerminalEvent, reason: str, reason_class: str, out: BatchOutcome,
                   w: _Writes) -> Action:
     """Dead-letter a terminal event the recorder cannot turn into a trajectory; the episode fails (infra)."""
     w.letters.append(dead_letter_for(d, reason))
@@ -236,10 +243,10 @@ def _fail_episode(d: Delivery, ev: TerminalEvent, reason: str, reason_class: str
     return Action.ACK
 
 
-def _incomplete(d: Delivery, ev: EpisodeFinished | EpisodeFailed, missing: Incomplete, policy: Policy,
-                out: Outcome, w: _Writes) -> Action:
+def _incomplete(d: Delivery, ev: EpisodeFinished | EpisodeFailed, missing: Incomplete, assembly_max_deliveries: int,
+                out: BatchOutcome, w: _Writes) -> Action:
     """Hand the terminal event back for later, or give up after ``assembly_max_deliveries`` deliveries."""
-    if d.deliveries >= policy.assembly_max_deliveries:
+    if d.deliveries >= assembly_max_deliveries:
         reason = (f"trajectory incomplete after {d.deliveries} deliveries of {ev.type}: {missing.reason} "
                   f"({missing.have} of {missing.need} turns)")
         return _fail_episode(d, ev, reason, "incomplete", out, w)
@@ -250,8 +257,8 @@ def _incomplete(d: Delivery, ev: EpisodeFinished | EpisodeFailed, missing: Incom
 
 
 def _terminal(d: Delivery, ev: TerminalEvent, ep: EpisodeRow | None,
-              records: tuple[list[StepRecord], dict[str, TurnRecord]] | None, policy: Policy, out: Outcome,
-              w: _Writes) -> Action:
+              records: tuple[list[StepRecord], dict[str, TurnRecord]] | None, assembly_max_deliveries: int,
+              out: BatchOutcome, w: _Writes) -> Action:
     if ep is None:
         w.letters.append(dead_letter_for(d, f"unknown episode {ev.episode_id}"))
         out.dead_letters["unknown_episode"] += 1
@@ -277,11 +284,11 @@ def _terminal(d: Delivery, ev: TerminalEvent, ep: EpisodeRow | None,
 
     if prompt is None or records is None:
         return _incomplete(d, ev, Incomplete(f"episode.started of attempt {ev.attempt} not stored yet",
-                                             0, ev.num_turns), policy, out, w)
+                                             0, ev.num_turns), assembly_max_deliveries, out, w)
     steps, turns = records
     paired = pair_records(ev.num_turns, steps, turns)
     if isinstance(paired, Incomplete):
-        return _incomplete(d, ev, paired, policy, out, w)
+        return _incomplete(d, ev, paired, assembly_max_deliveries, out, w)
 
     try:
         traj = assemble(prompt, paired)

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rollout_ledger.shared.kit.settings import BaseServiceSettings
+from rollout_ledger.shared.kit.settings import ConsumerSettings, DatabaseSettings
 
 
-class RecorderSettings(BaseServiceSettings):
+class RecorderSettings(ConsumerSettings, DatabaseSettings):
     """How the recorder consumes the event stream and writes Postgres."""
 
     batch_size: int = Field(500, ge=1, le=10_000)
     """Events fetched and written per transaction at most."""
-    fetch_timeout_s: float = Field(1.0, gt=0)
-    """How long one fetch waits for messages (also bounds how fast SIGTERM is noticed)."""
-    ack_wait_s: float = Field(30.0, gt=0)
-    """JetStream redelivers an event not acked within this time (in-progress pings extend it during retries)."""
-    max_ack_pending: int = Field(20_000, ge=1)
-    """Events delivered to the recorder consumer and not yet acked, across replicas."""
     retry_initial_s: float = Field(0.1, gt=0)
     """First backoff delay when Postgres cannot be reached."""
     retry_max_s: float = Field(5.0, gt=0)
@@ -31,5 +25,3 @@ class RecorderSettings(BaseServiceSettings):
     """Max-deliveries advisories handled per fetch."""
     pending_poll_s: float = Field(5.0, gt=0)
     """How often the consumer's ``num_pending`` is read into ``rollout_recorder_pending``."""
-    db_pool_size: int = Field(4, ge=1)
-    """Postgres connections per recorder process."""

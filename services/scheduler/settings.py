@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr, field_validator
 
-from rollout_ledger.shared.kit.settings import BaseServiceSettings
+from rollout_ledger.shared.kit.settings import DatabaseSettings
 
 PLACEHOLDER_TOKENS = frozenset(
     {
@@ -18,7 +18,7 @@ PLACEHOLDER_TOKENS = frozenset(
 MIN_TOKEN_LENGTH = 8
 
 
-class SchedulerSettings(BaseServiceSettings):
+class SchedulerSettings(DatabaseSettings):
     """Scheduler settings: API auth, batch limits and the outbox that republishes unpublished work items."""
 
     api_token: SecretStr | None = None
@@ -41,8 +41,6 @@ class SchedulerSettings(BaseServiceSettings):
     """How long one chunk of publishes may wait for the stream's acks."""
     nats_initial_wait_s: float = Field(30.0, gt=0)
     """How long the first NATS connection is retried at start before the service gives up."""
-    db_pool_size: int = Field(5, ge=1)
-    """SQLAlchemy pool size (the same again as overflow)."""
 
     @field_validator("api_token", mode="before")
     @classmethod

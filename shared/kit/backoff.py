@@ -1,4 +1,9 @@
-"""Retry pauses: exponential backoff, capped, with optional jitter (one formula for every retry loop)."""
+"""Retry pauses: exponential backoff, capped, with optional jitter (one formula for every retry loop).
+
+Our retry loops are not "call this function again" (which tenacity or stamina would wrap): each try goes to
+another worker (inference client), handles a nak/ack of its own (recorder) or a remote env's 4xx/5xx split, so
+they only need the pause. ``backoff_delay`` is that pause; ``Backoff`` walks it for a loop that counts for you.
+"""
 
 from __future__ import annotations
 
@@ -26,3 +31,18 @@ def backoff_delay(attempt: int, base: float, cap: float, jitter: float, rng: ran
         return delay
     draw = rng.random() if rng is not None else random.random()
     return delay * (1.0 - jitter + jitter * draw)
+
+
+class Backoff:
+    """Successive pauses of one retry loop: ``backoff_delay`` for retry 0, 1, 2, ... (no jitter unless given)."""
+
+    def __init__(self, base: float, cap: float, jitter: float = 0.0, rng: random.Random | None = None) -> None:
+        self.base, self.cap, self.jitter, self.rng = base, cap, jitter, rng
+        self.retries = 0
+        """Pauses handed out so far."""
+
+    def delay(self) -> float:
+        """The next pause (and count it)."""
+        pause = backoff_delay(self.retries, self.base, self.cap, self.jitter, self.rng)
+        self.retries += 1
+        return pause

@@ -25,6 +25,8 @@ from rollout_ledger.shared.subjects import (
     CANCEL_BUCKET,
     ENVS_BUCKET,
     EVENTS_STREAM,
+    MSG_ID_HEADER,
+    PARKED_HEADER,
     RECORDER_CONSUMER,
     STREAMS,
     WORK_CONSUMER,
@@ -184,7 +186,7 @@ async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> 
 
 
 def msg_id_headers(event_id: str) -> dict[str, str]:
-    return {"Nats-Msg-Id": event_id}
+    return {MSG_ID_HEADER: event_id}
 
 
 async def publish_event(
@@ -235,6 +237,28 @@ async def keep_in_progress(msgs: Msg | Sequence[Msg], interval_s: float) -> Asyn
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def hand_back(js: JetStreamContext, msg: Msg, delay_s: float, timeout_s: float = 10.0) -> None:
+    """Put a work item this worker cannot read (a newer contract major) back on the queue for a newer worker,
+    without spending its deliveries: after ``delay_s`` (reporting progress meanwhile, so it is not redelivered
+    here), republish the same bytes as a new message and ack this one. A nak would count a delivery, and after
+    ``max_deliver`` of them the episode would fail during a rolling upgrade. If the republish fails the item is
+    nak'ed (one delivery spent) and ``BusError`` raised."""
+    headers = dict(msg.headers or {})
+    parked = int(headers.get(PARKED_HEADER, "0") or 0) + 1
+    original_id = headers.get(MSG_ID_HEADER) or f"{msg.subject}:{msg.metadata.sequence.stream}"
+    headers[PARKED_HEADER] = str(parked)
+    headers[MSG_ID_HEADER] = f"{original_id.split(':parked', 1)[0]}:parked{parked}"
+    async with keep_in_progress(msg, max(0.5, delay_s / 3)):
+        await asyncio.sleep(delay_s)
+    try:
+        await js.publish(msg.subject, msg.data, timeout=timeout_s, headers=headers)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=delay_s)
+        raise BusError(f"hand-back of a work item failed: {exc}") from exc
+    await msg.ack_sync(timeout=timeout_s)
 
 
 def delivery_attempt(msg: Msg) -> int:

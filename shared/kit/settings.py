@@ -1,4 +1,5 @@
-"""Settings every service shares (bus, store, model, logging); each service subclasses ``BaseServiceSettings``.
+"""Settings every service shares (bus, store, model, logging); each service subclasses ``BaseServiceSettings`` and
+the mixins of what it does (``ConsumerSettings`` for a JetStream pull consumer, ``DatabaseSettings`` for a pool).
 
 All settings come from environment variables, documented in docs/configuration.md. ``NATS_URL`` and
 ``DATABASE_URL`` are read without a prefix; everything else is ``ROLLOUT_<NAME>``.
@@ -67,3 +68,25 @@ class BaseServiceSettings(BaseSettings):
     @classmethod
     def _normalize_db(cls, v: str) -> str:
         return normalize_database_url(v)
+
+
+class ConsumerSettings(BaseServiceSettings):
+    """Settings of a service that pulls from a JetStream durable consumer (env worker: work items; recorder:
+    events)."""
+
+    ack_wait_s: float = Field(30.0, gt=0)
+    """A message not acked within this time is redelivered (in-progress pings extend it while it is worked on)."""
+    max_ack_pending: int = Field(20_000, ge=1)
+    """Messages delivered to the consumer and not yet acked, across every replica."""
+    fetch_timeout_s: float = Field(1.0, gt=0)
+    """How long one pull waits for messages (also bounds how fast SIGTERM is noticed)."""
+    park_delay_s: float = Field(30.0, gt=0)
+    """A message written at a newer major of the event contract (a newer producer in a rolling upgrade) is
+    handed back for this long, counted and never dead-lettered, until an upgraded consumer reads it."""
+
+
+class DatabaseSettings(BaseServiceSettings):
+    """Settings of a service that holds a Postgres connection pool."""
+
+    db_pool_size: int = Field(5, ge=1)
+    """Postgres connections per process (SQLAlchemy pool size, the same again as overflow)."""

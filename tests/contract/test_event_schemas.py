@@ -1,8 +1,9 @@
 """Pins the JSON schema of every event type: a change here is a contract change.
 
-Adding an optional field is compatible: regenerate the snapshots with
-`python -m tests.contract.snapshot` and say so in the CHANGELOG. Removing or retyping a field, or making one
-required, is a breaking change: add a new event type instead.
+Adding an optional field (with a default) is compatible: readers ignore fields they do not know; regenerate the
+snapshots with `python -m tests.contract.snapshot` and say so in the CHANGELOG. Removing or retyping a field,
+making one required or adding an event type is a breaking change: raise ``SCHEMA_VERSION`` (older readers park
+such events until they are upgraded) and keep the older major's example events (tests/contract/events/).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from nats.aio.msg import Msg
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
 from rollout_ledger.services.inference_worker.main import run
-from rollout_ledger.services.inference_worker.server import ERROR_HEADER, RETRYABLE_HEADER
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import (
@@ -34,9 +33,11 @@ from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 from rollout_ledger.shared.kit.runtime import Health, Shutdown
 from rollout_ledger.shared.subjects import (
+    ERROR_HEADER,
     EVENTS_STREAM,
     INFER_ANY,
     INFER_HEARTBEAT,
+    RETRYABLE_HEADER,
     event_subject,
     infer_worker_subject,
 )

@@ -66,3 +66,11 @@ def test_huge_attempts_stay_at_the_cap_and_zero_base_or_cap_is_no_pause() -> Non
 def test_a_negative_attempt_or_a_jitter_outside_zero_one_is_refused(attempt: int, jitter: float) -> None:
     with pytest.raises(ValueError):
         backoff_delay(attempt, 0.2, 1.0, jitter)
+
+
+def test_backoff_walks_the_formula_retry_by_retry() -> None:
+    from rollout_ledger.shared.kit.backoff import Backoff
+
+    walk = Backoff(0.5, 5.0)
+    assert [walk.delay() for _ in range(6)] == pytest.approx([0.5, 1.0, 2.0, 4.0, 5.0, 5.0])
+    assert walk.retries == 6

@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 
-from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver, Outcome, _jsonable
+from rollout_ledger.services.env_worker.driver import AttemptOutcome, DriverDeps, EpisodeDriver, _jsonable
 from rollout_ledger.services.env_worker.sessions.app import SessionRegistry, session_app
 from rollout_ledger.services.env_worker.sessions.protocol import Message
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
@@ -203,8 +203,8 @@ class AgentEpisode(EpisodeDriver):
     async def generate_turn(self, t: int, context: Any, sampling: SamplingParams, max_tokens: int) -> TurnGenerated:
         """Turn ``t`` with the call's sampling (sticky to the previous turn's worker; ``InferenceError`` when the
         budget is spent)."""
-        common = {"episode_id": self.ep, "batch_id": self.item.batch_id, "attempt": self.attempt,
-                  "seq": 2 * t + 1, "produced_by": self.deps.produced_by}
+        common: dict[str, Any] = {"episode_id": self.ep, "batch_id": self.item.batch_id, "attempt": self.attempt,
+                                  "seq": 2 * t + 1, "produced_by": self.deps.produced_by}
 
         def build(try_no: int) -> InferenceRequested:
             rid = self.request_id(t, try_no)
@@ -230,7 +230,7 @@ class AgentEpisode(EpisodeDriver):
         self.kept = t + 1
 
     # --- the attempt ----------------------------------------------------------------------------------
-    async def run(self) -> Outcome:
+    async def run(self) -> AttemptOutcome:
         with structlog.contextvars.bound_contextvars(episode_id=self.ep, batch_id=self.item.batch_id,
                                                      attempt=self.attempt, agent=self.agent.name):
             if self.deps.is_cancelled(self.item.batch_id):
@@ -264,7 +264,7 @@ class AgentEpisode(EpisodeDriver):
             return await self._conclude(session, result, error, timed_out)
 
     async def _conclude(self, session: AgentSession, result: Any, error: BaseException | None,
-                        timed_out: bool) -> Outcome:
+                        timed_out: bool) -> AttemptOutcome:
         ending = session.ending
         if timed_out:
             await session.finish(0.0)
@@ -299,7 +299,7 @@ class AgentEpisode(EpisodeDriver):
         return await self._agent_finished(status, stop, outcome.reward, extra)
 
     async def _agent_finished(self, status: TrajectoryStatus, stop_reason: str, reward: float,
-                              extra: dict[str, Any]) -> Outcome:
+                              extra: dict[str, Any]) -> AttemptOutcome:
         transcript = self.transcript
         if transcript is None:
             raise TokenizationError("an agent episode finished before its first call")

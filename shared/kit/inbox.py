@@ -1,0 +1,136 @@
+"""One reply inbox for many outstanding requests: a wildcard subscription, a future per request, one sweeper.
+
+nats-py's ``request`` (and ``js.publish``, a request too) wraps every call in ``asyncio.wait_for`` (a task) and a
+fresh future. Our hot paths send a request per turn (an event's stream ack, an inference request), where that
+overhead costs more than the turn's own work. A ``ReplyInbox`` subscribes once to ``<inbox>.*`` and hands each
+request a reply subject ``<inbox>.<token>`` and a future. Every request of one inbox has the same timeout, so
+the waiting requests are in deadline order and one sweeper task fails the overdue ones from the front: no
+task or timer per request. A request can also be failed from outside (``fail``: the inference client does so
+when a worker's heartbeats stop).
+
+Used by ``publisher.StreamPublisher`` (stream acks) and the env worker's inference client (turn replies); each
+says how a reply resolves its future (``resolve``) and what a timeout or NATS's no-responders reply raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from rollout_ledger.shared.subjects import NO_RESPONDERS_STATUS, STATUS_HEADER
+
+T = TypeVar("T")
+
+
+def is_no_responders(msg: Msg) -> bool:
+    """NATS's own reply to a request that no subscriber took."""
+    headers = msg.headers
+    return headers is not None and headers.get(STATUS_HEADER) == NO_RESPONDERS_STATUS and not msg.data
+
+
+class ReplyInbox(Generic[T]):
+    """Futures of outstanding requests, resolved by replies on one wildcard inbox subscription."""
+
+    def __init__(self, nc: NATS, timeout_s: float, *,
+                 resolve: Callable[[asyncio.Future[T], Msg], None],
+                 on_timeout: Callable[[str], Exception],
+                 on_no_responders: Callable[[str], Exception]) -> None:
+        self.nc = nc
+        self.timeout_s = timeout_s
+        self._resolve = resolve
+        self._on_timeout = on_timeout
+        self._on_no_responders = on_no_responders
+        self._prefix = ""
+        self._tokens = itertools.count(1)
+        self._waiting: dict[str, tuple[asyncio.Future[T], float, str]] = {}
+        """token -> (future, deadline, label); insertion order is deadline order (one timeout for all)."""
+        self._sub: Subscription | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._starting: asyncio.Lock | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._sub is not None
+
+    @property
+    def pending(self) -> int:
+        """Requests whose reply has not come yet."""
+        return len(self._waiting)
+
+    async def start(self) -> None:
+        """Subscribe to the inbox and start the deadline sweeper (idempotent)."""
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._sub is not None:
+                return
+            prefix = f"{self.nc.new_inbox()}."
+            self._sub = await self.nc.subscribe(f"{prefix}*", cb=self._on_reply)
+            self._prefix = prefix
+            self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def stop(self, error: Callable[[], Exception]) -> None:
+        """Stop listening; requests still waiting fail with ``error()``."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        waiting, self._waiting = self._waiting, {}
+        for fut, _, _ in waiting.values():
+            if not fut.done():
+                fut.set_exception(error())
+
+    def open(self, label: str) -> tuple[str, str, asyncio.Future[T]]:
+        """A new request: ``(token, reply subject, future)``; ``label`` names it in timeout errors. The inbox must
+        be started."""
+        loop = asyncio.get_running_loop()
+        token = str(next(self._tokens))
+        fut: asyncio.Future[T] = loop.create_future()
+        self._waiting[token] = (fut, loop.time() + self.timeout_s, label)
+        return token, self._prefix + token, fut
+
+    def close(self, token: str) -> None:
+        """Forget a request (answered, failed or given up by its caller); a late reply is then ignored."""
+        self._waiting.pop(token, None)
+
+    def sweep(self) -> int:
+        """Fail the requests whose reply is overdue; returns how many."""
+        now = asyncio.get_running_loop().time()
+        overdue: list[str] = []
+        for token, (_, deadline, _) in self._waiting.items():
+            if deadline > now:
+                break
+            overdue.append(token)
+        for token in overdue:
+            fut, _, label = self._waiting.pop(token)
+            if not fut.done():
+                fut.set_exception(self._on_timeout(label))
+        return len(overdue)
+
+    async def _sweep_forever(self) -> None:
+        interval = min(1.0, max(0.01, self.timeout_s / 10))
+        while True:
+            await asyncio.sleep(interval)
+            self.sweep()
+
+    async def _on_reply(self, msg: Msg) -> None:
+        entry = self._waiting.pop(msg.subject[len(self._prefix):], None)
+        if entry is None or entry[0].done():
+            return
+        fut, _, label = entry
+        if is_no_responders(msg):
+            fut.set_exception(self._on_no_responders(label))
+        else:
+            self._resolve(fut, msg)
