@@ -87,11 +87,19 @@ def up(
     scheduler_port: int = typer.Option(8000, envvar="ROLLOUT_SCHEDULER_PORT", help="port of the REST API"),
     env_workers: int = typer.Option(1, help="env worker processes"),
     inference_workers: int = typer.Option(1, help="inference worker processes"),
-    engine: str = typer.Option("fake", envvar="ROLLOUT_ENGINE", help="inference engine: fake or vllm"),
+    engine: str = typer.Option("auto", envvar="ROLLOUT_ENGINE",
+                               help="inference engine: vllm, fake, or auto (vllm when installed with the model's "
+                                    "weights cached, else fake)"),
 ) -> None:
-    """Start NATS and Postgres (private ones unless NATS_URL/DATABASE_URL are set) and every service; Ctrl-C stops."""
-    from rollout_ledger.cli.stack.devstack import DevStack
+    """Start NATS and Postgres (private ones unless NATS_URL/DATABASE_URL are set) and every service; Ctrl-C stops.
 
+    Agent functions and remote envs are registered as for `rollout serve env-worker`: ROLLOUT_AGENTS=
+    "name=module:function" (the module importable: PYTHONPATH=. for a file of this checkout) and
+    ROLLOUT_REMOTE_ENVS="name=url", set before `rollout up` / `make up`; every env worker it starts gets them."""
+    from rollout_ledger.cli.stack.devstack import ENGINE_HINTS, DevStack, resolve_engine
+
+    engine = resolve_engine(engine)
+    typer.echo(f"engine: {engine}: {ENGINE_HINTS.get(engine, engine)}")
     with DevStack(scheduler_port=scheduler_port, env_workers=env_workers, inference_workers=inference_workers,
                   engine=engine, echo=typer.echo) as stack:
         typer.echo(stack.describe())

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import threading
@@ -17,6 +18,26 @@ from rollout_ledger.cli.stack.servers import LocalInfra
 from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
 from rollout_ledger.migrations.runner import upgrade
 from rollout_ledger.shared.kit.settings import default_model_dir
+
+
+ENGINE_HINTS = {
+    "vllm": "SmolLM2-135M-Instruct on vLLM (the engine loads in 30-60 s on a CPU; ROLLOUT_ENGINE=fake for the "
+            "zero-cost scripted fake)",
+    "fake": "the zero-cost scripted fake: real SmolLM2 token ids, NOT a model's answers (ROLLOUT_ENGINE=vllm "
+            "for the real model)",
+}
+"""What each engine means, in the line ``rollout up`` and ``rollout demo`` print first."""
+
+
+def resolve_engine(requested: str) -> str:
+    """``auto``: vLLM when it is installed here and the model's weights are in the cache (what ``make up`` and
+    ``make demo`` install), else the fake; ``vllm`` / ``fake`` as given."""
+    if requested != "auto":
+        return requested
+    model = os.environ.get("ROLLOUT_MODEL") or str(default_model_dir())
+    if importlib.util.find_spec("vllm") is not None and is_complete(Path(model), True):
+        return "vllm"
+    return "fake"
 
 
 class DevStack:

@@ -121,7 +121,9 @@ def openrlhf(row: Mapping[str, Any], span: Span) -> dict[str, Any]:
     }
 
 
-_SLIME_STATUS = {"completed": "completed", "truncated": "truncated"}
+SLIME_STATUS = {"completed": "completed", "truncated": "truncated"}
+"""slime's ``Sample.Status`` of each trajectory status (anything else is ``aborted``); the columnar build uses it
+too (``tables.py``)."""
 
 
 def slime(row: Mapping[str, Any], span: Span) -> dict[str, Any]:
@@ -140,7 +142,7 @@ def slime(row: Mapping[str, Any], span: Span) -> dict[str, Any]:
         "rollout_log_probs": row["logprobs"][p:e],
         "reward": row["reward"],
         "advantage": row["advantage"],
-        "status": _SLIME_STATUS.get(row["status"], "aborted"),
+        "status": SLIME_STATUS.get(row["status"], "aborted"),
         "weight_versions": [str(v) for v in _versions(row, p, e)],
         "metadata": {"reward_source": _reward_source(row), "rollout_reward": row["rollout_reward"],
                      "num_turns": row["num_turns"], "rollout_status": row["status"]},

@@ -17,7 +17,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollout_ledger.services.exporter.records import _SLIME_STATUS, SCHEMAS, Unit
+from rollout_ledger.services.exporter.records import SCHEMAS, SLIME_STATUS, Unit
 from rollout_ledger.services.exporter.rows import Chunk, by_code, offsets, runs
 
 
@@ -345,8 +345,8 @@ def _openrlhf(s: Samples) -> dict[str, Any]:
 def _slime(s: Samples) -> dict[str, Any]:
     arr, f = s.chunk.arrays, SCHEMAS["slime"]
     status = s.column("status")
-    slime_status = pc.fill_null(pa.array(list(_SLIME_STATUS.values()), pa.string()).take(
-        pc.index_in(status, value_set=pa.array(list(_SLIME_STATUS), pa.string()))), _text("aborted"))
+    slime_status = pc.fill_null(pa.array(list(SLIME_STATUS.values()), pa.string()).take(
+        pc.index_in(status, value_set=pa.array(list(SLIME_STATUS), pa.string()))), _text("aborted"))
     meta = json_rows({"reward_source": _sources(s), "rollout_reward": s.column("rollout_reward"),
                       "num_turns": s.column("num_turns"), "rollout_status": status})
     return {
