@@ -1,0 +1,112 @@
+"""The layout shows the architecture, and stays that way: the import graph of the project's modules (read from the
+source with ``ast``, lazy imports inside functions included) has no cycles, ``shared/`` imports no service, a service
+imports no other service (the env library ``services/envs/`` and the catalog are shared), and only the CLI
+imports ``cli/``."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOPS = ("cli", "shared", "services", "migrations")
+SHARED_BETWEEN_SERVICES = {"envs", "catalog"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return "rollout_ledger." + ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for top in TOPS for p in (ROOT / top).rglob("*.py")
+            if "versions" not in p.parts}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules ``name`` imports (the longest known prefix of each imported name)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph = {name: _imports(name, path, known) for name, path in modules.items()}
+    # a package's __init__ is imported on the way to any submodule: that edge is not a dependency of its own
+    return {name: {d for d in deps if not name.startswith(d + ".")} for name, deps in graph.items()}
+
+
+def _area(module: str) -> tuple[str, str]:
+    """(top folder, service or sub-area): ('services', 'recorder'), ('shared', 'kit'), ('cli', 'stack')."""
+    parts = module.split(".")[1:]
+    return parts[0], parts[1] if len(parts) > 1 else ""
+
+
+def test_the_module_graph_has_no_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+@pytest.mark.parametrize("module", sorted(_graph()))
+def test_imports_respect_the_boundaries(module: str) -> None:
+    top, area = _area(module)
+    for dep in _graph()[module]:
+        dep_top, dep_area = _area(dep)
+        if top == "shared":
+            assert dep_top == "shared", f"{module} (the contract/kit) imports {dep}"
+        if top == "services" and dep_top == "services" and area not in SHARED_BETWEEN_SERVICES:
+            assert dep_area in (area, *SHARED_BETWEEN_SERVICES), f"service module {module} imports {dep}"
+        if top != "cli":
+            assert dep_top != "cli", f"{module} imports the CLI package ({dep})"
+
+
+def test_the_contract_does_not_import_the_kit() -> None:
+    """``shared/`` top-level modules are the contract; ``shared/kit`` may use them, not the other way round (except
+    ``deploy.py``'s values, which the kit serves)."""
+    for module, deps in _graph().items():
+        top, area = _area(module)
+        if top == "shared" and area != "kit" and module.count(".") == 2:
+            kit = sorted(d for d in deps if _area(d) == ("shared", "kit"))
+            assert kit == [], f"contract module {module} imports the kit: {kit}"
