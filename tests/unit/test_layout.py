@@ -77,7 +77,7 @@ def test_the_module_graph_has_no_cycles() -> None:
         stack.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                cycle = stack[stack.index(dep):] + [dep]
+                cycle = [*stack[stack.index(dep):], dep]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if dep not in state:
                 visit(dep)
