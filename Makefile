@@ -48,6 +48,7 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.pipeline
 	$(BIN)/python -m bench.engine_efficiency
 	$(BIN)/python -m bench.export
+	$(BIN)/python -m bench.recorder_copy
 
 clean:
 	rm -rf .build .pytest_cache .mypy_cache .ruff_cache exports

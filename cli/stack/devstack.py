@@ -19,7 +19,6 @@ from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
 from rollout_ledger.migrations.runner import upgrade
 from rollout_ledger.shared.kit.settings import default_model_dir
 
-
 ENGINE_HINTS = {
     "vllm": "SmolLM2-135M-Instruct on vLLM (the engine loads in 30-60 s on a CPU; ROLLOUT_ENGINE=fake for the "
             "zero-cost scripted fake)",

@@ -1,8 +1,10 @@
 """The recorder's SQL: one transaction per batch, bulk COPY of turns and steps, episode and trajectory writes.
 
-Rows and array parameters are encoded by ``pgbinary`` (numpy, no per-element Python work); turns and steps are
-COPY'd straight into their tables inside a savepoint and only a duplicate event id (a redelivery or replay)
-takes the staging table + ``ON CONFLICT DO NOTHING`` path.
+Each table written by binary COPY is declared once (``CopyTable``: every column with its Postgres type and where its
+value comes from, in order); the COPY column list, psycopg's ``Copy.set_types`` and each ``write_row`` tuple all
+come from that declaration. Arrays go through the numpy dumpers of ``adapters`` (registered on every connection).
+Turns and steps are COPY'd straight into their tables inside a savepoint and only a duplicate event id (a
+redelivery or replay) takes the staging table + ``ON CONFLICT DO NOTHING`` path.
 
 ``Store.transaction()`` opens a transaction on a pooled connection and hands out a ``Tx`` whose methods are the
 only SQL the recorder runs. Driver errors are translated into ``StoreError`` at this boundary: connection loss,
@@ -12,11 +14,12 @@ server restarts, deadlocks and serialisation failures are ``retryable``; data an
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import psycopg
@@ -29,21 +32,83 @@ from rollout_ledger.shared.errors import StoreError
 from rollout_ledger.shared.events import EpisodeStarted, StepCompleted, TurnGenerated
 from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus, allowed_sources
 
-from . import pgbinary
+from . import adapters
+from .adapters import EncodeError
 from .assembly import StepRecord, Trajectory, TurnRecord
 
 TERMINAL_STATUSES = sorted(str(s) for s in TERMINAL)
 
-_TURN_COLS = ("event_id", "episode_id", "attempt", "turn_index", "prompt_len", "token_ids", "logprobs",
-              "finish_reason", "weight_version", "engine", "worker_id", "queue_ms", "generate_ms", "cached_tokens",
-              "produced_at")
-_TURN_TYPES = ("text", "text", "int4", "int4", "int4", "int4[]", "float4[]", "text", "int4", "text", "text",
-               "float4", "float4", "int4", "timestamptz")
-_STEP_COLS = ("event_id", "episode_id", "attempt", "turn_index", "turn_event_id", "action", "observation",
-              "observation_token_ids", "reward", "terminated", "truncated", "info", "step_ms", "drift", "new_segment",
-              "produced_at")
-_STEP_TYPES = ("text", "text", "int4", "int4", "text", "text", "text", "int4[]", "float8", "bool", "bool", "jsonb",
-               "float4", "text", "bool", "timestamptz")
+_T = TypeVar("_T")
+
+
+class CopyTable(Generic[_T]):
+    """A table written by binary COPY: its columns in order, each ``(name, Postgres type, source)``, where the
+    source is an attribute path of the object a row is made from (``"ep.id"``) or a function of it.
+
+    The one place that says which column gets which value and how psycopg encodes it (``Copy.set_types``), so
+    two columns cannot be swapped in one place and not the other. ``tests/unit/test_recorder_copy.py`` checks
+    the names and types against ``shared/db.py``.
+    """
+
+    def __init__(self, name: str, columns: Sequence[tuple[str, str, str | Callable[[_T], Any]]]) -> None:
+        self.name = name
+        self.columns = tuple(columns)
+        self.names = tuple(c[0] for c in self.columns)
+        self.types = tuple(c[1] for c in self.columns)
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"{name}: a column declared twice")
+        self._get = tuple(operator.attrgetter(src) if isinstance(src, str) else src for _, _, src in self.columns)
+
+    @property
+    def collist(self) -> str:
+        return ", ".join(self.names)
+
+    def row(self, obj: _T) -> tuple[Any, ...]:
+        """The values of one row, in column order."""
+        return tuple([get(obj) for get in self._get])
+
+
+def _utc(t: datetime) -> datetime:
+    """``timestamptz`` value of an event time (a naive time is taken as UTC)."""
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+TURNS: CopyTable[TurnGenerated] = CopyTable("turns", (
+    ("event_id", "varchar", "event_id"),
+    ("episode_id", "varchar", "episode_id"),
+    ("attempt", "int4", "attempt"),
+    ("turn_index", "int4", "turn_index"),
+    ("prompt_len", "int4", "prompt_len"),
+    ("token_ids", "int4[]", "token_ids"),
+    ("logprobs", "float4[]", "logprobs"),
+    ("finish_reason", "varchar", lambda e: str(e.finish_reason)),
+    ("weight_version", "int4", "weight_version"),
+    ("engine", "varchar", "engine"),
+    ("worker_id", "text", "worker_id"),
+    ("queue_ms", "float4", "queue_ms"),
+    ("generate_ms", "float4", "generate_ms"),
+    ("cached_tokens", "int4", "cached_tokens"),
+    ("produced_at", "timestamptz", lambda e: _utc(e.time)),
+))
+
+STEPS: CopyTable[StepCompleted] = CopyTable("steps", (
+    ("event_id", "varchar", "event_id"),
+    ("episode_id", "varchar", "episode_id"),
+    ("attempt", "int4", "attempt"),
+    ("turn_index", "int4", "turn_index"),
+    ("turn_event_id", "varchar", "turn_event_id"),
+    ("action", "text", "action"),
+    ("observation", "text", "observation"),
+    ("observation_token_ids", "int4[]", "observation_token_ids"),
+    ("reward", "float8", "reward"),
+    ("terminated", "bool", "terminated"),
+    ("truncated", "bool", "truncated"),
+    ("info", "jsonb", "info"),
+    ("step_ms", "float4", "step_ms"),
+    ("drift", "varchar", "drift"),
+    ("new_segment", "bool", "new_segment"),
+    ("produced_at", "timestamptz", lambda e: _utc(e.time)),
+))
 
 
 def classify(exc: BaseException) -> StoreError:
@@ -129,26 +194,51 @@ class TrajectoryWrite:
     drifts: list[dict[str, Any]] = field(default_factory=list)
 
 
-_TRAJECTORY_COLS = ("episode_id", "batch_id", "group_id", "env", "attempt", "status", "failure_class", "reward",
-                    "token_ids", "loss_mask", "logprobs", "weight_versions", "action_ranges", "prompt_len",
-                    "num_tokens", "num_sampled_tokens", "num_turns", "segments", "num_segments", "token_check",
-                    "drifts", "token_ids_le", "sampled_logprobs_le", "action_versions")
+def _action_versions(w: TrajectoryWrite) -> np.ndarray:
+    return np.array([w.traj.weight_versions[a] for a, _ in w.traj.action_ranges], np.int64)
+
+
+def _sampled_logprobs_le(w: TrajectoryWrite) -> bytes:
+    """The logprobs of the sampled tokens (the action ranges, in order) packed little-endian (migration 0008)."""
+    lp, ranges = np.asarray(w.traj.logprobs), w.traj.action_ranges
+    return (np.concatenate([lp[a:b] for a, b in ranges]) if len(ranges) else lp[:0]).astype("<f4", copy=False).tobytes()
+
+
+TRAJECTORIES: CopyTable[TrajectoryWrite] = CopyTable("trajectories", (
+    ("episode_id", "varchar", "ep.id"),
+    ("batch_id", "varchar", "ep.batch_id"),
+    ("group_id", "varchar", "ep.group_id"),
+    ("env", "varchar", "ep.env"),
+    ("attempt", "int4", "attempt"),
+    ("status", "varchar", "status"),
+    ("failure_class", "varchar", "failure_class"),
+    ("reward", "float8", "reward"),
+    ("token_ids", "int4[]", "traj.token_ids"),
+    ("loss_mask", "int2[]", "traj.loss_mask"),
+    ("logprobs", "float4[]", "traj.logprobs"),
+    ("weight_versions", "int4[]", "traj.weight_versions"),
+    ("action_ranges", "int4[]", "traj.action_ranges"),  # 2-d
+    ("prompt_len", "int4", "traj.prompt_len"),
+    ("num_tokens", "int4", "traj.num_tokens"),
+    ("num_sampled_tokens", "int4", "traj.num_sampled_tokens"),
+    ("num_turns", "int4", "traj.num_turns"),
+    ("segments", "int4[]", "traj.segments"),  # 2-d
+    ("num_segments", "int4", lambda w: len(w.traj.segments)),
+    ("token_check", "varchar", "token_check"),
+    ("drifts", "jsonb", lambda w: list(w.drifts)),
+    ("token_ids_le", "bytea", lambda w: np.asarray(w.traj.token_ids).astype("<i4", copy=False).tobytes()),
+    ("sampled_logprobs_le", "bytea", _sampled_logprobs_le),
+    ("action_versions", "int4[]", _action_versions),
+))
+
+_TRAJECTORY_KEPT = ("episode_id", "batch_id", "group_id", "env")
+"""Columns an existing trajectory keeps when a higher attempt replaces it (every other one is replaced)."""
 
 _UPSERT_TRAJECTORIES = (
-    f"INSERT INTO trajectories ({', '.join(_TRAJECTORY_COLS)}) "
-    f"SELECT {', '.join(_TRAJECTORY_COLS)} FROM rl_stage_trajectories "
-    "ON CONFLICT (episode_id) DO UPDATE SET attempt = excluded.attempt, status = excluded.status, "
-    "failure_class = excluded.failure_class, reward = excluded.reward, token_ids = excluded.token_ids, "
-    "loss_mask = excluded.loss_mask, logprobs = excluded.logprobs, "
-    "weight_versions = excluded.weight_versions, action_ranges = excluded.action_ranges, "
-    "prompt_len = excluded.prompt_len, num_tokens = excluded.num_tokens, "
-    "num_sampled_tokens = excluded.num_sampled_tokens, num_turns = excluded.num_turns, "
-    "segments = excluded.segments, num_segments = excluded.num_segments, token_check = excluded.token_check, "
-    "drifts = excluded.drifts, token_ids_le = excluded.token_ids_le, "
-    "sampled_logprobs_le = excluded.sampled_logprobs_le, "
-    "action_versions = excluded.action_versions, "
-    "created_at = now() "
-    "WHERE trajectories.attempt < excluded.attempt"
+    f"INSERT INTO trajectories ({TRAJECTORIES.collist}) SELECT {TRAJECTORIES.collist} FROM rl_stage_trajectories "
+    "ON CONFLICT (episode_id) DO UPDATE SET "
+    + "".join(f"{c} = excluded.{c}, " for c in TRAJECTORIES.names if c not in _TRAJECTORY_KEPT)
+    + "created_at = now() WHERE trajectories.attempt < excluded.attempt"
 )
 
 _FINISH_EPISODES = (
@@ -215,9 +305,9 @@ class Tx:
             return
         sources = allowed_sources(EpisodeStatus.RUNNING)
         try:
-            params = [(e.attempt, e.worker_id, e.time, pgbinary.Int4Array(pgbinary.int4_array(e.prompt_token_ids)),
+            params = [(e.attempt, e.worker_id, e.time, adapters.Int4Array(e.prompt_token_ids),
                        e.prompt_text, e.episode_id, sources, e.attempt) for e in events]
-        except pgbinary.EncodeError as exc:
+        except EncodeError as exc:
             raise StoreError(f"cannot encode episode.started: {exc}", retryable=False) from exc
         async with self.pg.cursor() as cur:
             await cur.executemany(
@@ -227,48 +317,55 @@ class Tx:
                 params,
             )
 
-    async def _copy_rows(self, table: str, cols: Sequence[str], payload: bytes) -> None:
-        """COPY straight into ``table`` inside a savepoint; on a duplicate event id, stage + ``ON CONFLICT``."""
-        collist = ", ".join(cols)
-        async with self.pg.cursor() as cur:
-            await cur.execute("SAVEPOINT rl_copy")
-            try:
-                async with cur.copy(f"COPY {table} ({collist}) FROM STDIN (FORMAT BINARY)") as copy:
-                    await copy.write(payload)
-            except psycopg.errors.UniqueViolation:
-                # A redelivered or replayed event: write the new rows only (rare, so the slower path is fine).
-                await cur.execute("ROLLBACK TO SAVEPOINT rl_copy")
-                await self._copy_upsert(cur, table, collist, payload)
-            await cur.execute("RELEASE SAVEPOINT rl_copy")
-
     @staticmethod
-    async def _copy_upsert(cur: psycopg.AsyncCursor[Any], table: str, collist: str, payload: bytes) -> None:
-        stage = f"rl_stage_{table}"
+    async def _copy(cur: psycopg.AsyncCursor[Any], table: CopyTable[Any], into: str,
+                    rows: Iterable[tuple[Any, ...]]) -> None:
+        """Binary COPY of ``rows`` (``table``'s columns) into ``into``; a value that cannot be encoded raises
+        ``EncodeError`` naming the row's first column (its key) and aborts the COPY."""
+        async with cur.copy(f"COPY {into} ({table.collist}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(table.types)
+            for row in rows:
+                try:
+                    await copy.write_row(row)
+                except (EncodeError, UnicodeError) as exc:  # UnicodeError: a str that is not UTF-8 (surrogates)
+                    raise EncodeError(f"{table.name} {row[0]}: {exc}") from exc
+
+    async def _copy_rows(self, table: CopyTable[_T], objs: Sequence[_T], what: str) -> None:
+        """COPY straight into ``table`` inside a savepoint; on a duplicate event id, stage + ``ON CONFLICT``."""
+        rows = [table.row(o) for o in objs]
+        try:
+            async with self.pg.cursor() as cur:
+                await cur.execute("SAVEPOINT rl_copy")
+                try:
+                    await self._copy(cur, table, table.name, rows)
+                except psycopg.errors.UniqueViolation:
+                    # A redelivered or replayed event: write the new rows only (rare, so the slower path is fine).
+                    await cur.execute("ROLLBACK TO SAVEPOINT rl_copy")
+                    await self._copy_upsert(cur, table, rows)
+                await cur.execute("RELEASE SAVEPOINT rl_copy")
+        except EncodeError as exc:
+            raise StoreError(f"cannot encode {what}: {exc}", retryable=False) from exc
+
+    @classmethod
+    async def _copy_upsert(cls, cur: psycopg.AsyncCursor[Any], table: CopyTable[Any],
+                           rows: Sequence[tuple[Any, ...]]) -> None:
+        stage, collist = f"rl_stage_{table.name}", table.collist
         await cur.execute(
             f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
-            f"SELECT {collist} FROM {table} WITH NO DATA"
+            f"SELECT {collist} FROM {table.name} WITH NO DATA"
         )
-        async with cur.copy(f"COPY {stage} ({collist}) FROM STDIN (FORMAT BINARY)") as copy:
-            await copy.write(payload)
-        await cur.execute(f"INSERT INTO {table} ({collist}) SELECT {collist} FROM {stage} "
+        await cls._copy(cur, table, stage, rows)
+        await cur.execute(f"INSERT INTO {table.name} ({collist}) SELECT {collist} FROM {stage} "
                           "ON CONFLICT (event_id) DO NOTHING")
         await cur.execute(f"DELETE FROM {stage}")
 
     async def insert_turns(self, events: Sequence[TurnGenerated]) -> None:
         if events:
-            try:
-                payload = b"".join([pgbinary.COPY_HEADER, *map(pgbinary.turn_row, events), pgbinary.COPY_TRAILER])
-            except pgbinary.EncodeError as exc:
-                raise StoreError(f"cannot encode turn.generated: {exc}", retryable=False) from exc
-            await self._copy_rows("turns", _TURN_COLS, payload)
+            await self._copy_rows(TURNS, events, "turn.generated")
 
     async def insert_steps(self, events: Sequence[StepCompleted]) -> None:
         if events:
-            try:
-                payload = b"".join([pgbinary.COPY_HEADER, *map(pgbinary.step_row, events), pgbinary.COPY_TRAILER])
-            except pgbinary.EncodeError as exc:
-                raise StoreError(f"cannot encode step.completed: {exc}", retryable=False) from exc
-            await self._copy_rows("steps", _STEP_COLS, payload)
+            await self._copy_rows(STEPS, events, "step.completed")
 
     async def lock_episodes(self, episode_ids: Sequence[str]) -> dict[str, EpisodeRow]:
         """The episode rows of these ids, locked FOR UPDATE (in id order, so concurrent recorders never deadlock)."""
@@ -313,20 +410,16 @@ class Tx:
         """
         if not writes:
             return 0
-        try:
-            payload = b"".join([pgbinary.COPY_HEADER, *(pgbinary.trajectory_row(
-                w.ep.id, w.ep.batch_id, w.ep.group_id, w.ep.env, w.attempt, w.status, w.failure_class, w.reward,
-                w.traj, w.token_check, w.drifts) for w in writes), pgbinary.COPY_TRAILER])
-        except pgbinary.EncodeError as exc:
-            raise StoreError(f"cannot encode a trajectory: {exc}", retryable=False) from exc
-        collist = ", ".join(_TRAJECTORY_COLS)
+        rows = [TRAJECTORIES.row(w) for w in writes]
         async with self.pg.cursor() as cur:
             await cur.execute(
                 "CREATE TEMP TABLE IF NOT EXISTS rl_stage_trajectories ON COMMIT DELETE ROWS AS "
-                f"SELECT {collist} FROM trajectories WITH NO DATA"
+                f"SELECT {TRAJECTORIES.collist} FROM trajectories WITH NO DATA"
             )
-            async with cur.copy(f"COPY rl_stage_trajectories ({collist}) FROM STDIN (FORMAT BINARY)") as copy:
-                await copy.write(payload)
+            try:
+                await self._copy(cur, TRAJECTORIES, "rl_stage_trajectories", rows)
+            except EncodeError as exc:
+                raise StoreError(f"cannot encode a trajectory: {exc}", retryable=False) from exc
             await cur.execute(_UPSERT_TRAJECTORIES)
             written = max(0, cur.rowcount)
             await cur.execute("DELETE FROM rl_stage_trajectories")
@@ -422,7 +515,7 @@ class Store:
                 if pg is None:
                     raise StoreError("no driver connection", retryable=True)
                 if pg not in self._adapted:
-                    pgbinary.register(pg)
+                    adapters.register(pg)
                     self._adapted.add(pg)
                 yield Tx(pg)
         except StoreError:

@@ -1,17 +1,21 @@
-"""The recorder's hand-built binary encoding (services/recorder/pgbinary.py) against real Postgres: every column
-of a COPY'd turn and step reads back exactly, arrays round-trip both ways, and bad values raise ``EncodeError``."""
+"""The recorder's binary COPY (services/recorder/store.py declarations, services/recorder/adapters.py dumpers)
+against real Postgres: every column of a COPY'd turn and step reads back exactly, arrays round-trip both ways,
+and a value that does not fit makes a non-retryable ``StoreError`` (the batch is then replayed one by one)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import psycopg
 import pytest
 
 from rollout_ledger.migrations.runner import sync_url
-from rollout_ledger.services.recorder import pgbinary
-from rollout_ledger.services.recorder.store import _STEP_COLS, _TURN_COLS
+from rollout_ledger.services.recorder import adapters
+from rollout_ledger.services.recorder.store import STEPS, TURNS, CopyTable, Tx
+from rollout_ledger.shared.errors import StoreError
 from rollout_ledger.shared.events import FinishReason, StepCompleted, TurnGenerated
 
 
@@ -38,18 +42,26 @@ def _step(i: int, obs: list[int]) -> StepCompleted:
         new_segment=i == 0)
 
 
-def test_copied_turns_and_steps_read_back_exactly(database_url: str) -> None:
+async def _connect(database_url: str) -> psycopg.AsyncConnection[Any]:
+    conn = await psycopg.AsyncConnection.connect(_conninfo(database_url))
+    adapters.register(conn)
+    return conn
+
+
+async def test_copied_turns_and_steps_read_back_exactly(database_url: str) -> None:
     turns = [_turn(0, [5, 2**31 - 1, -(2**31), 0], 7), _turn(1, [], None)]
     steps = [_step(0, [1, 2, 3]), _step(1, [])]
-    with psycopg.connect(_conninfo(database_url)) as conn, conn.cursor() as cur:
-        for table, cols, rows in (("turns", _TURN_COLS, [pgbinary.turn_row(t) for t in turns]),
-                                  ("steps", _STEP_COLS, [pgbinary.step_row(s) for s in steps])):
-            with cur.copy(f"COPY {table} ({', '.join(cols)}) FROM STDIN (FORMAT BINARY)") as copy:
-                copy.write(b"".join([pgbinary.COPY_HEADER, *rows, pgbinary.COPY_TRAILER]))
-        cur.execute(f"SELECT {', '.join(_TURN_COLS)} FROM turns ORDER BY turn_index")
-        got_turns = cur.fetchall()
-        cur.execute(f"SELECT {', '.join(_STEP_COLS)} FROM steps ORDER BY turn_index")
-        got_steps = cur.fetchall()
+    async with await _connect(database_url) as conn:
+        tx = Tx(conn)
+        await tx.insert_turns(turns)
+        await tx.insert_steps(steps)
+        await tx.insert_turns(turns[:1])  # a redelivery: the staging table + ON CONFLICT path, nothing added
+        await conn.commit()
+        async with conn.cursor() as cur:
+            await cur.execute(f"SELECT {TURNS.collist} FROM turns ORDER BY turn_index")
+            got_turns = await cur.fetchall()
+            await cur.execute(f"SELECT {STEPS.collist} FROM steps ORDER BY turn_index")
+            got_steps = await cur.fetchall()
     for t, row in zip(turns, got_turns, strict=True):
         assert row[:6] + row[7:] == (t.event_id, t.episode_id, 1, t.turn_index, t.prompt_len, t.token_ids.tolist(),
                                      "length", -3, "fake", "inf-ü", 1.25, 0.0, t.cached_tokens, t.time)
@@ -60,32 +72,57 @@ def test_copied_turns_and_steps_read_back_exactly(database_url: str) -> None:
                        s.info, 2.5, s.drift, s.new_segment, s.time)
 
 
-def test_array_parameters_and_results_round_trip(database_url: str) -> None:
-    ids = np.array([0, -1, 2**31 - 1, 49152], dtype="<i4")
-    floats = np.array([-0.0, 1.5, -3.25e-8, np.inf], dtype="<f4")
-    with psycopg.connect(_conninfo(database_url)) as conn:
-        pgbinary.register(conn)
-        with conn.cursor(binary=True) as cur:
-            cur.execute("SELECT %b, %b, %b::text, %b::text, %b::text, %b::text, %b",
-                        (pgbinary.Int4Array(pgbinary.int4_array(ids)),
-                         pgbinary.Float4Array(pgbinary.float4_array(floats)),
-                         pgbinary.Int2Array(pgbinary.int2_array(np.array([0, 1, 1], dtype="<i2"))),
-                         pgbinary.Int4Matrix(pgbinary.int4_matrix([[3, 5], [9, 12]], 2)),
-                         pgbinary.Int4Matrix(pgbinary.int4_matrix([], 2)),
-                         pgbinary.Int4Array(pgbinary.int4_array(np.zeros(0, dtype="<i4"))),
-                         pgbinary.Int4Array(pgbinary.int4_array(np.zeros(0, dtype="<i4")))))
-            row = cur.fetchone()
+_ARRAYS: CopyTable[Any] = CopyTable("arrays", (
+    ("ids", "int4[]", "ids"), ("floats", "float4[]", "floats"), ("mask", "int2[]", "mask"),
+    ("ranges", "int4[]", "ranges"), ("no_ranges", "int4[]", "no_ranges"), ("no_ids", "int4[]", "no_ids")))
+
+
+async def test_array_columns_parameters_and_results_round_trip(database_url: str) -> None:
+    a = SimpleNamespace(ids=np.array([0, -1, 2**31 - 1, 49152], dtype="<i4"),
+                        floats=np.array([-0.0, 1.5, -3.25e-8, np.inf], dtype="<f4"), mask=np.array([0, 1, 1], "<i2"),
+                        ranges=[[3, 5], [9, 12]], no_ranges=[], no_ids=np.zeros(0, dtype="<i4"))
+    async with await _connect(database_url) as conn, conn.cursor(binary=True) as cur:
+        await cur.execute("CREATE TEMP TABLE arrays (ids int4[], floats float4[], mask int2[], ranges int4[], "
+                          "no_ranges int4[], no_ids int4[])")
+        await Tx._copy(cur, _ARRAYS, "arrays", [_ARRAYS.row(a)])
+        await cur.execute("SELECT ids, floats, mask::text, ranges::text, no_ranges::text, no_ids::text, no_ids, "
+                          "%b, %b::text FROM arrays", (adapters.Int4Array(a.ids), adapters.Int4Array([])))
+        row = await cur.fetchone()
     assert row is not None
-    assert row[0].dtype == np.dtype("<i4") and row[0].tolist() == ids.tolist()
-    assert row[1].dtype == np.dtype("<f4") and row[1].tobytes() == floats.tobytes()
+    assert row[0].dtype == np.dtype("<i4") and row[0].tolist() == a.ids.tolist()
+    assert row[1].dtype == np.dtype("<f4") and row[1].tobytes() == a.floats.tobytes()
     assert row[2:6] == ("{0,1,1}", "{{3,5},{9,12}}", "{}", "{}")
     assert row[6].dtype == np.dtype("<i4") and row[6].size == 0
+    assert row[7].dtype == np.dtype("<i4") and row[7].tolist() == a.ids.tolist()
+    assert row[8] == "{}"
 
 
 def test_values_that_do_not_fit_raise_encode_error() -> None:
-    with pytest.raises(pgbinary.EncodeError):
-        pgbinary.int4_array(np.array([2**31], dtype=np.int64))
-    with pytest.raises(pgbinary.EncodeError):
-        pgbinary.turn_row(_turn(0, [1], 2**40))
-    with pytest.raises(pgbinary.EncodeError):
-        pgbinary.step_row(_step(0, []).model_copy(update={"info": {"x": b"bytes"}}))
+    with pytest.raises(adapters.EncodeError):
+        adapters.int4_array(np.array([2**31], dtype=np.int64))
+    with pytest.raises(adapters.EncodeError):
+        adapters.Int4Array(np.array([-(2**31) - 1], dtype=np.int64))
+
+
+@pytest.mark.parametrize("bad", [
+    _turn(0, [1], 2**40),
+    _turn(0, [1], None).model_copy(update={"queue_ms": 1e300}),
+    _turn(0, [1], None).model_copy(update={"worker_id": "w\udc80"}),
+    _step(0, []).model_copy(update={"info": {"x": b"bytes"}}),
+], ids=["int4", "float4", "surrogate", "json"])
+async def test_a_value_that_does_not_fit_is_a_non_retryable_store_error(database_url: str, bad: Any) -> None:
+    async with await _connect(database_url) as conn:
+        tx = Tx(conn)
+        good = _turn(1, [1, 2], None)
+        with pytest.raises(StoreError, match=f"cannot encode .*{bad.event_id}") as err:
+            if isinstance(bad, TurnGenerated):
+                await tx.insert_turns([good, bad])
+            else:
+                await tx.insert_steps([bad])
+        assert not err.value.retryable
+        await conn.rollback()
+        await tx.insert_turns([good])  # the connection goes on after the rollback
+        await conn.commit()
+        async with conn.cursor() as cur:
+            await cur.execute("SELECT event_id FROM turns")
+            assert await cur.fetchall() == [(good.event_id,)]
