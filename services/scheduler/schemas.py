@@ -16,6 +16,27 @@ from rollout_ledger.shared.events import ContextPolicy, SamplingParams
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
+class SamplingRequest(SamplingParams):
+    """``sampling`` of a request: the event's fields, strictly (a misspelt field is a 422 here, while the bus
+    contract ignores fields it does not know; see docs/architecture.md, "Contract evolution")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def to_event(self) -> SamplingParams:
+        """The bus model of the same values."""
+        return SamplingParams.model_validate(self.model_dump())
+
+
+class ContextRequest(ContextPolicy):
+    """``context`` of a request, strictly (see ``SamplingRequest``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def to_event(self) -> ContextPolicy:
+        """The bus model of the same values."""
+        return ContextPolicy.model_validate(self.model_dump())
+
+
 class BatchBase(BaseModel):
     """What defines how every episode of a batch runs."""
 
@@ -25,11 +46,11 @@ class BatchBase(BaseModel):
     """Registered environment name (see GET /v1/envs)."""
     group_size: int = Field(1, ge=1)
     """Samples per task (a GRPO group)."""
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: SamplingRequest = Field(default_factory=SamplingRequest)
     """Sampling parameters for every turn."""
     max_turns: int = Field(1, ge=1, le=10000)
     """Turn budget per episode; reaching it truncates the episode."""
-    context: ContextPolicy | None = None
+    context: ContextRequest | None = None
     """Context policy: ``{"policy": "full"}`` (default) or ``{"policy": "window", "window_turns": N}`` (system
     message + last N turns, each turn its own training sample)."""
     metadata: dict[str, Any] = Field(default_factory=dict)

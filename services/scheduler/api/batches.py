@@ -112,7 +112,8 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
 
         state.metrics.batches_submitted.inc()
         state.metrics.episodes_submitted.inc(num_episodes)
-        spec = BatchRunSpec(body.env, body.group_size, body.max_turns, body.sampling, body.context)
+        spec = BatchRunSpec(body.env, body.group_size, body.max_turns, body.sampling.to_event(),
+                            body.context.to_event() if body.context is not None else None)
         published = await res.publisher.publish(planned, spec, source="submit")
         log.info("batch.submitted", env=body.env, num_tasks=len(body.tasks), num_episodes=num_episodes,
                  published=published, insert_ms=round((t1 - t0) * 1000, 1),
