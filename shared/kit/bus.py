@@ -246,7 +246,10 @@ async def hand_back(js: JetStreamContext, msg: Msg, delay_s: float, timeout_s: f
     ``max_deliver`` of them the episode would fail during a rolling upgrade. If the republish fails the item is
     nak'ed (one delivery spent) and ``BusError`` raised."""
     headers = dict(msg.headers or {})
-    parked = int(headers.get(PARKED_HEADER, "0") or 0) + 1
+    try:
+        parked = int(headers.get(PARKED_HEADER) or 0) + 1
+    except ValueError:  # a header we did not write: count from here
+        parked = 1
     original_id = headers.get(MSG_ID_HEADER) or f"{msg.subject}:{msg.metadata.sequence.stream}"
     headers[PARKED_HEADER] = str(parked)
     headers[MSG_ID_HEADER] = f"{original_id.split(':parked', 1)[0]}:parked{parked}"
