@@ -49,6 +49,7 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.engine_efficiency
 	$(BIN)/python -m bench.export
 	$(BIN)/python -m bench.recorder_copy
+	$(BIN)/python -m bench.stream_decode
 
 clean:
 	rm -rf .build .pytest_cache .mypy_cache .ruff_cache exports
