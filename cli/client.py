@@ -49,6 +49,12 @@ class SchedulerClient:
     def batch(self, batch_id: str) -> dict[str, Any]:
         return self._check(self.http.get(f"/v1/batches/{batch_id}"))
 
+    def announce_version(self, **body: Any) -> dict[str, Any]:
+        return self._check(self.http.post("/v1/policy/versions", json=body))
+
+    def policy(self) -> dict[str, Any]:
+        return self._check(self.http.get("/v1/policy"))
+
     def follow(self, batch_id: str, poll_s: float = 0.5, console: Console | None = None,
                timeout_s: float | None = None) -> dict[str, Any]:
         """Poll the batch with a progress bar until every episode is terminal; return the last status."""
@@ -90,3 +96,33 @@ def print_batch(info: dict[str, Any], console: Console | None = None) -> None:
         table.add_row(status, str(n))
     console.print(table)
     console.print(f"mean reward: {info.get('mean_reward')}   trajectories: {info.get('num_trajectories')}")
+
+
+def check_checkpoint(path: Path) -> list[str]:
+    """What is missing from a checkpoint directory for an inference worker to load it (empty: nothing)."""
+    if not path.is_dir():
+        return [f"{path} is not a directory"]
+    missing = [name for name in ("config.json",) if not (path / name).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    return [f"{path} has no {m}" for m in missing]
+
+
+def print_policy(info: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    current = info.get("current")
+    if current is None:
+        console.print("no policy version announced yet: inference workers serve the weights they started with")
+    else:
+        console.print(f"current version {current['version']} ({current['mode']}): {current['checkpoint']}"
+                      f"   announced {current['created_at']}")
+    table = Table(title="inference workers")
+    for col in ("worker", "serving", "version", "state", "engine", "error", "reported"):
+        table.add_column(col)
+    for w in info.get("workers", []):
+        table.add_row(w["worker_id"], str(w["serving"]), str(w["version"]), w["state"], w["engine"],
+                      w["error"][:60], w["reported_at"])
+    console.print(table)
+    in_flight = info.get("in_flight") or {}
+    console.print("episodes in flight by version: "
+                  + (", ".join(f"{v}: {n}" for v, n in in_flight.items()) if in_flight else "none"))

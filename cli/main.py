@@ -20,6 +20,9 @@ feed_app = typer.Typer(help="The trajectory feed consumer cursors read (retentio
 app.add_typer(db_app, name="db")
 app.add_typer(model_app, name="model")
 app.add_typer(feed_app, name="feed")
+policy_app = typer.Typer(help="Policy versions: announce new weights, see what the inference workers serve.",
+                         no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
 
 
 @app.command()
@@ -147,6 +150,43 @@ def status(
     from rollout_ledger.cli.client import SchedulerClient, print_batch
 
     print_batch(SchedulerClient(url).batch(batch_id))
+
+
+@policy_app.command("push")
+def policy_push(
+    checkpoint: str = typer.Argument(..., help="the new weights: a Hugging Face directory the workers can read"),
+    version: int = typer.Option(..., "--version", help="the new policy version (above every one announced)"),
+    mode: str = typer.Option("drain", help="how running engines swap: drain, abort or keep"),
+    notes: str = typer.Option("", help="free text stored with the version"),
+    check: bool = typer.Option(True, help="refuse a local directory without config.json and safetensors"),
+    url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
+    token: str = typer.Option(None, envvar="ROLLOUT_API_TOKEN", help="bearer token, if the scheduler wants one"),
+) -> None:
+    """Announce CHECKPOINT as policy version N: every inference worker loads it into its running engine."""
+    from pathlib import Path
+
+    from rollout_ledger.cli.client import SchedulerClient, check_checkpoint
+
+    if check:
+        problems = check_checkpoint(Path(checkpoint))
+        if problems:
+            raise typer.BadParameter("; ".join(problems) + " (--no-check for a path only the workers can see)")
+        checkpoint = str(Path(checkpoint).resolve())
+    body = SchedulerClient(url, token).announce_version(version=version, checkpoint=checkpoint, mode=mode,
+                                                       notes=notes)
+    what = "announced" if body["created"] else "already announced (same request)"
+    typer.echo(f"policy version {body['version']} {what}: {body['checkpoint']} (mode {body['mode']})"
+               + ("" if body["announced"] else "; a newer version is current"))
+
+
+@policy_app.command("status")
+def policy_status(
+    url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
+) -> None:
+    """The current policy version, what each inference worker serves, and episodes in flight per version."""
+    from rollout_ledger.cli.client import SchedulerClient, print_policy
+
+    print_policy(SchedulerClient(url).policy())
 
 
 def _selection(batch: list[str] | None, env: list[str] | None, status: list[str] | None, reward_min: float | None,

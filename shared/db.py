@@ -213,7 +213,7 @@ dead_letters = Table(
 )
 
 
-SCHEMA_REVISION = "0008"
+SCHEMA_REVISION = "0009"
 """The Alembic revision these tables describe and this code expects: the newest file in migrations/versions
 (tests/unit/test_schema_revision.py fails when a migration is added without moving it)."""
 
@@ -293,3 +293,32 @@ reward_scores = Table(
     Index("ix_reward_scores_name", "reward_name", "reward_version"),
     comment="re-scores of stored trajectories by a named, versioned reward function (rollout rescore)",
 )
+
+policy_versions = Table(
+    "policy_versions",
+    metadata,
+    Column("version", Integer, primary_key=True, autoincrement=False, comment="the policy (weight) version"),
+    Column("checkpoint", Text, nullable=False, comment="where the weights are (a directory the workers can read)"),
+    Column("mode", String(8), nullable=False, comment="drain | abort | keep: how running engines swap to it"),
+    Column("notes", Text, nullable=False, server_default=text("''")),
+    Column("request_hash", String(64), nullable=False, comment="of the announcing request (idempotent POST)"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("version >= 0", name="ck_policy_versions_version"),
+    CheckConstraint("mode IN ('drain', 'abort', 'keep')", name="ck_policy_versions_mode"),
+)
+
+policy_worker_states = Table(
+    "policy_worker_states",
+    metadata,
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("worker_id", String(128), primary_key=True),
+    Column("state", String(16), nullable=False, comment="announced | loading | serving | failed | retired"),
+    Column("error", Text, nullable=False, server_default=text("''"), comment="why the load failed"),
+    Column("engine", String(32), nullable=False, server_default=text("''")),
+    Column("reported_at", DateTime(timezone=True), nullable=False, comment="the worker's time of the report"),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("state IN ('announced', 'loading', 'serving', 'failed', 'retired')",
+                    name="ck_policy_worker_states_state"),
+    Index("ix_policy_worker_states_worker", "worker_id", "version"),
+)
+

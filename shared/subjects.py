@@ -65,6 +65,17 @@ ENVS_BUCKET = "rl_envs"
 """Env name -> description, written by env workers at start; read by the scheduler."""
 CANCEL_BUCKET = "rl_cancelled"
 """Cancelled batch ids, written by the scheduler; watched by env workers."""
+POLICY_BUCKET = "rl_policy"
+"""The policy version every inference worker should serve (key ``POLICY_KEY``, a ``PolicyAnnouncement``), written
+by the scheduler when a trainer announces a version; watched by inference workers."""
+POLICY_KEY = "current"
+POLICY_WORKERS_BUCKET = "rl_policy_workers"
+"""Inference worker id -> its ``WorkerPolicyReport``, written by each worker; mirrored into Postgres by the
+scheduler."""
+BUCKETS = (ENVS_BUCKET, CANCEL_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET)
+"""Every KV bucket the services declare."""
+BUCKET_TTL_S = {POLICY_WORKERS_BUCKET: 60.0}
+"""Buckets whose entries expire when not written again in time (a worker that stopped reporting drops out)."""
 
 _KEY_SAFE = frozenset("-/_.abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 

@@ -27,7 +27,7 @@ from rollout_ledger.cli.stack.servers import LocalInfra
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.settings import default_model_dir, normalize_database_url
-from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, STREAMS
+from rollout_ledger.shared.subjects import BUCKETS, STREAMS
 
 
 @dataclass
@@ -109,7 +109,7 @@ async def _reset_bus(url: str) -> None:
         for spec in STREAMS:
             with contextlib.suppress(Exception):
                 await js.delete_stream(spec.name)
-        for bucket in (ENVS_BUCKET, CANCEL_BUCKET):
+        for bucket in BUCKETS:
             with contextlib.suppress(Exception):
                 await js.delete_key_value(bucket)
         # The server removes a deleted stream's files asynchronously; creating the same name at once can fail

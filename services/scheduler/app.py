@@ -13,8 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollout_ledger.services.scheduler import policy
 from rollout_ledger.services.scheduler.api import batches, episodes
 from rollout_ledger.services.scheduler.api import envs as envs_api
+from rollout_ledger.services.scheduler.api import policy as policy_api
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics, create_metrics
 from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
@@ -25,7 +27,7 @@ from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import Health, ops_app
-from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET
+from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET
 
 log = get_logger(__name__)
 
@@ -50,6 +52,8 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
             await bus.ensure_topology(js, settings.stream_replicas)
             envs_kv = await js.key_value(ENVS_BUCKET)
             cancel_kv = await js.key_value(CANCEL_BUCKET)
+            policy_kv = await js.key_value(POLICY_BUCKET)
+            policy_workers_kv = await js.key_value(POLICY_WORKERS_BUCKET)
         except Exception as exc:  # nats-py API errors and timeouts share no base class
             raise BusError(f"cannot declare the streams and buckets: {exc}") from exc
     except Exception as exc:
@@ -60,7 +64,7 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
             await engine.dispose()
         raise
     publisher = Publisher(js, engine, settings, state.metrics)
-    state.resources = Resources(nc, js, engine, envs_kv, cancel_kv, publisher)
+    state.resources = Resources(nc, js, engine, envs_kv, cancel_kv, publisher, policy_kv, policy_workers_kv)
     state.db_ok = True
     state.health.checks["nats"] = lambda: nc.is_connected
     state.health.checks["postgres"] = lambda: state.db_ok
@@ -70,6 +74,7 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
 
     stop = asyncio.Event()
     outbox = asyncio.create_task(publisher.run_outbox(stop, _on_pass), name="scheduler-outbox")
+    mirror = asyncio.create_task(policy.run_mirror(policy_workers_kv, engine, stop), name="scheduler-policy-mirror")
     state.health.ready = True
     log.info("scheduler.ready")
     try:
@@ -77,10 +82,13 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         state.health.ready = False
         stop.set()
-        try:
-            await asyncio.wait_for(outbox, timeout=settings.drain_timeout_s)
-        except (TimeoutError, asyncio.CancelledError):
-            outbox.cancel()
+        for task in (outbox, mirror):
+            try:
+                await asyncio.wait_for(task, timeout=settings.drain_timeout_s)
+            except (TimeoutError, asyncio.CancelledError):
+                task.cancel()
+            except Exception as exc:  # the mirror's failure must not hide the outbox's clean stop
+                log.warning("scheduler.task_failed", task=task.get_name(), error=str(exc))
         state.resources = None
         await bus.close(nc)
         await engine.dispose()
@@ -170,6 +178,7 @@ def create_app(settings: SchedulerSettings, *, with_lifespan: bool = True) -> Fa
     app.include_router(batches.router)
     app.include_router(episodes.router)
     app.include_router(envs_api.router)
+    app.include_router(policy_api.router)
     ops_app(SERVICE, health, metrics.registry, app)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     return app

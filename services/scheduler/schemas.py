@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_ledger.shared.events import ContextPolicy, SamplingParams
+from rollout_ledger.shared.policy import SwapMode, WorkerPolicyState
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -257,3 +258,59 @@ class ErrorPublic(BaseModel):
     """Every non-validation error: one sentence saying what is wrong."""
 
     detail: str
+
+
+class PolicyVersionCreate(BaseModel):
+    """POST /v1/policy/versions: a trainer announces new weights as the next policy version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0, le=2**31 - 1, examples=[1])
+    """The new version: above every version announced so far (the same request again is idempotent)."""
+    checkpoint: str = Field(min_length=1, max_length=4096, examples=["/checkpoints/run-7/step-100"])
+    """Where the weights are: a Hugging Face directory (config, tokenizer, safetensors) the inference workers can
+    read."""
+    mode: SwapMode = SwapMode.DRAIN
+    """How running engines swap: ``drain`` (finish the turns in flight first), ``abort`` (generate them again on
+    the new weights) or ``keep`` (continue them on the new weights, where the engine can)."""
+    notes: str = Field("", max_length=10_000)
+    """Free text stored with the version (the trainer's step, its metrics, ...)."""
+
+
+class PolicyVersionPublic(BaseModel):
+    """One announced policy version."""
+
+    version: int
+    checkpoint: str
+    mode: SwapMode
+    notes: str
+    created_at: datetime
+    created: bool = False
+    """In a POST's answer: True when this request recorded it (201), False for a repeat (200)."""
+    announced: bool = True
+    """In a POST's answer: the version is the current one on the bus (False: a newer one already is)."""
+
+
+class WorkerPolicyPublic(BaseModel):
+    """What one inference worker serves and is doing (from its latest report)."""
+
+    worker_id: str
+    serving: int | None
+    """The version it generates with now."""
+    version: int
+    """The version ``state`` is about (the newest it was told of)."""
+    state: WorkerPolicyState
+    error: str = ""
+    engine: str = ""
+    reported_at: datetime
+
+
+class PolicyPublic(BaseModel):
+    """GET /v1/policy: the current version, what each inference worker serves, episodes in flight per version."""
+
+    current: PolicyVersionPublic | None
+    """The newest announced version (None before the first announcement: workers serve their start weights)."""
+    workers: list[WorkerPolicyPublic]
+    in_flight: dict[str, int]
+    """Running episodes by the weight version of their latest turn (``none``: no turn yet)."""
+

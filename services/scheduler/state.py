@@ -25,6 +25,10 @@ class Resources:
     envs_kv: KeyValue
     cancel_kv: KeyValue
     publisher: Publisher
+    policy_kv: KeyValue
+    """``rl_policy``: the announced policy version."""
+    policy_workers_kv: KeyValue
+    """``rl_policy_workers``: each inference worker's report."""
 
 
 @dataclass

@@ -22,8 +22,8 @@ from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.events import EventBase, encode
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import (
-    CANCEL_BUCKET,
-    ENVS_BUCKET,
+    BUCKET_TTL_S,
+    BUCKETS,
     EVENTS_STREAM,
     MSG_ID_HEADER,
     PARKED_HEADER,
@@ -167,12 +167,13 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
 
 async def ensure_buckets(js: JetStreamContext, replicas: int | None = None) -> None:
     num_replicas = stream_replicas(replicas)
-    for bucket in (ENVS_BUCKET, CANCEL_BUCKET):
+    for bucket in BUCKETS:
         try:
             await js.key_value(bucket)
         except NotFoundError:
             with contextlib.suppress(BadRequestError):
-                await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, replicas=num_replicas))
+                await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, replicas=num_replicas,
+                                                                ttl=BUCKET_TTL_S.get(bucket)))
 
 
 async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> None:

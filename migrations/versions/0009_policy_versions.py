@@ -1,0 +1,62 @@
+"""policy_versions and policy_worker_states: the policy versions a trainer announced, and each inference worker's
+state with each of them
+
+Revision ID: 0009
+Revises: 0008
+Create Date: 2026-11-24 13:40:00
+
+A version row is written once by ``POST /v1/policy/versions`` (idempotent on the version, versions only increase);
+the scheduler mirrors the inference workers' reports from the ``rl_policy_workers`` KV bucket into
+``policy_worker_states`` (one row per version and worker: announced, loading, serving, failed, retired).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = '0009'
+down_revision = '0008'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "policy_versions",
+        sa.Column("version", sa.Integer(), autoincrement=False, nullable=False,
+                  comment="the policy (weight) version"),
+        sa.Column("checkpoint", sa.Text(), nullable=False,
+                  comment="where the weights are (a directory the workers can read)"),
+        sa.Column("mode", sa.String(length=8), nullable=False,
+                  comment="drain | abort | keep: how running engines swap to it"),
+        sa.Column("notes", sa.Text(), server_default=sa.text("''"), nullable=False),
+        sa.Column("request_hash", sa.String(length=64), nullable=False,
+                  comment="of the announcing request (idempotent POST)"),
+        sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+        sa.CheckConstraint("version >= 0", name="ck_policy_versions_version"),
+        sa.CheckConstraint("mode IN ('drain', 'abort', 'keep')", name="ck_policy_versions_mode"),
+        sa.PrimaryKeyConstraint("version"),
+    )
+    op.create_table(
+        "policy_worker_states",
+        sa.Column("version", sa.Integer(), autoincrement=False, nullable=False),
+        sa.Column("worker_id", sa.String(length=128), nullable=False),
+        sa.Column("state", sa.String(length=16), nullable=False,
+                  comment="announced | loading | serving | failed | retired"),
+        sa.Column("error", sa.Text(), server_default=sa.text("''"), nullable=False, comment="why the load failed"),
+        sa.Column("engine", sa.String(length=32), server_default=sa.text("''"), nullable=False),
+        sa.Column("reported_at", sa.DateTime(timezone=True), nullable=False,
+                  comment="the worker's time of the report"),
+        sa.Column("updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+        sa.CheckConstraint("state IN ('announced', 'loading', 'serving', 'failed', 'retired')",
+                           name="ck_policy_worker_states_state"),
+        sa.PrimaryKeyConstraint("version", "worker_id"),
+    )
+    op.create_index("ix_policy_worker_states_worker", "policy_worker_states", ["worker_id", "version"])
+
+
+def downgrade() -> None:
+    op.drop_index("ix_policy_worker_states_worker", table_name="policy_worker_states")
+    op.drop_table("policy_worker_states")
+    op.drop_table("policy_versions")
