@@ -76,6 +76,9 @@ BUCKETS = (ENVS_BUCKET, CANCEL_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET)
 """Every KV bucket the services declare."""
 BUCKET_TTL_S = {POLICY_WORKERS_BUCKET: 60.0}
 """Buckets whose entries expire when not written again in time (a worker that stopped reporting drops out)."""
+BUCKET_HISTORY = {POLICY_BUCKET: 16}
+"""Buckets that keep earlier values of a key (1 elsewhere): a worker that cannot load the current policy version
+serves the newest earlier one it can."""
 
 _KEY_SAFE = frozenset("-/_.abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 

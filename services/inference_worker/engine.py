@@ -71,6 +71,19 @@ class Engine(Protocol):
         """Cancel an in-flight request (no-op when it is unknown or already done)."""
         ...
 
+    supports_keep: bool
+    """Whether the engine can pause generations mid-way and continue them on new weights (swap mode ``keep``)."""
+
+    async def load_weights(self, checkpoint: str) -> None:
+        """Replace the running model's weights with ``checkpoint``'s, in place, and drop every cached KV block
+        (the prefix cache), so nothing computed with the old weights is reused.
+
+        The caller has stopped or aborted the generations in flight. ``checkpoints.WeightsRefused`` means
+        nothing changed (another architecture or tokenizer, unreadable weights): the old weights still serve.
+        Any other exception means the model may be half-loaded: the engine must report itself unhealthy.
+        """
+        ...
+
     @property
     def healthy(self) -> bool:
         """False once the engine can serve no more requests (its engine process died): the worker then reports

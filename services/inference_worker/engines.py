@@ -16,6 +16,7 @@ def build_engine(settings: InferenceSettings) -> Engine:
             settings.model,
             delay_s=settings.fake_delay_s,
             tokens_per_s=settings.fake_tokens_per_s,
+            load_s=settings.fake_load_s,
         )
     if settings.engine == "vllm":
         try:

@@ -24,6 +24,10 @@ How it answers (all deterministic: the same prompt ids, sampling parameters and 
 
 Cost knobs: ``delay_s`` (sleep per request, for crash and drain tests) and ``tokens_per_s`` (simulated decode
 speed; 0 is instant). Both default to 0, so the engine costs microseconds per request.
+
+Weight updates: ``load_weights`` checks the checkpoint as a real engine would (``checkpoints.check_compatible``:
+architecture, tokenizer, readable safetensors headers), takes ``load_s`` seconds and drops its prefix-cache model.
+The answers do not depend on the weights (it is a fake); the version a turn carries is the inference worker's.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from rollout_ledger.services.inference_worker.checkpoints import check_compatible
 from rollout_ledger.services.inference_worker.engine import Generation
 from rollout_ledger.shared.events import FinishReason, SamplingParams
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
@@ -236,6 +241,8 @@ class FakeEngine:
     """Deterministic fake engine with real token ids (see the module docstring for its behaviour)."""
 
     name = "fake"
+    supports_keep = False
+    """It could, but a turn carries one weight version: ``keep`` is refused until turns carry versions per token."""
 
     def __init__(
         self,
@@ -246,8 +253,12 @@ class FakeEngine:
         block_size: int = 16,
         max_sessions: int = 4096,
         tokenizer: ChatTokenizer | None = None,
+        load_s: float = 0.0,
     ) -> None:
         self.model = model
+        self.load_s = load_s
+        self.checkpoint = model
+        """The directory whose weights it "serves" (the model until ``load_weights``)."""
         self.delay_s = delay_s
         self.tokens_per_s = tokens_per_s
         self.block_size = block_size
@@ -282,6 +293,13 @@ class FakeEngine:
         for event in self._aborts.values():
             event.set()
         self._sessions.clear()
+
+    async def load_weights(self, checkpoint: str) -> None:
+        check_compatible(self.model, checkpoint)
+        if self.load_s > 0:
+            await asyncio.sleep(self.load_s)
+        self.checkpoint = checkpoint
+        self._sessions.clear()  # the prefix cache holds nothing computed with the old weights
 
     async def abort(self, request_id: str) -> None:
         event = self._aborts.get(request_id)

@@ -9,6 +9,7 @@ from rollout_ledger.services.inference_worker.engines import build_engine
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
 from rollout_ledger.services.inference_worker.server import InferenceServer, WorkerIdentity
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
+from rollout_ledger.services.inference_worker.weights import PolicyFollower, Weights
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import configure_logging, get_logger
@@ -39,7 +40,17 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
         await engine.start()
         identity = WorkerIdentity(settings.worker_id, settings.weight_version, settings.max_inflight,
                                   settings.heartbeat_s)
-        server = InferenceServer(nc, engine, identity, metrics)
+        weights = Weights(engine, settings.weight_version, settings.swap_drain_timeout_s)
+        failed_load: list[BaseException] = []
+
+        async def _failed_load(exc: BaseException) -> None:
+            failed_load.append(exc)  # the engine may be half-loaded: stop serving (the loop below exits)
+
+        follower = PolicyFollower(nc.jetstream(), weights, settings.worker_id, settings.policy_report_s,
+                                  on_failed_load=_failed_load)
+        await follower.start()  # serves the announced version from the first turn on (loaded here if newer)
+        metrics.weight_version.set_function(lambda: weights.serving)
+        server = InferenceServer(nc, engine, identity, metrics, weights)
         await server.start()
         conn = nc
         served = engine
@@ -47,13 +58,18 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
         health.checks["engine"] = lambda: served.healthy
         health.ready = True
         log.info("service.ready", http_port=http.port, engine=engine.name, weight_version=settings.weight_version)
+        swaps_seen = 0
         while not await sleep_or_shutdown(shutdown, ENGINE_CHECK_S):
-            if not engine.healthy:
+            if weights.swaps != swaps_seen and weights.last_swap_s is not None:
+                swaps_seen = weights.swaps
+                metrics.swap_seconds.observe(weights.last_swap_s)
+            if failed_load or not engine.healthy:
                 engine_died = True
                 log.error("inference_worker.engine_dead", action="stopping: requesters fail over to other workers, "
                           "the supervisor restarts this one")
                 break
         health.draining = True
+        await follower.stop()
         await server.drain(settings.drain_timeout_s)
     finally:
         health.ready = False

@@ -27,6 +27,9 @@ class InferenceMetrics:
     queue_seconds: Histogram
     outcome: dict[str, Counter]
     """``requests`` per outcome, bound once (``labels()`` is a dict lookup and a lock per call)."""
+    regenerated: Counter
+    weight_version: Gauge
+    swap_seconds: Histogram
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> InferenceMetrics:
@@ -47,4 +50,10 @@ class InferenceMetrics:
                 buckets=_LATENCY_BUCKETS, registry=reg,
             ),
             outcome={outcome: requests.labels(outcome) for outcome in OUTCOMES},
+            regenerated=Counter("rollout_inference_regenerated", "Generations a weight swap (mode abort) cut and "
+                                "generated again on the new weights.", registry=reg),
+            weight_version=Gauge("rollout_weight_version", "The policy version this worker serves.", registry=reg),
+            swap_seconds=Histogram("rollout_weight_swap_seconds", "Time a weight swap held new generations back "
+                                   "(drain or abort, then load).", buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                                   registry=reg),
         )

@@ -34,6 +34,7 @@ from nats.aio.subscription import Subscription
 
 from rollout_ledger.services.inference_worker.engine import Engine
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
+from rollout_ledger.services.inference_worker.weights import Weights
 from rollout_ledger.shared.errors import InferenceError, NewerContractError, RolloutError, SchemaError
 from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
 from rollout_ledger.shared.kit.logging import get_logger
@@ -79,11 +80,14 @@ def request_log(request: InferenceRequested) -> Any:
 class InferenceServer:
     """Serves turn requests from NATS with one engine; ``start`` subscribes, ``drain`` stops gracefully."""
 
-    def __init__(self, nc: NATS, engine: Engine, identity: WorkerIdentity, metrics: InferenceMetrics) -> None:
+    def __init__(self, nc: NATS, engine: Engine, identity: WorkerIdentity, metrics: InferenceMetrics,
+                 weights: Weights | None = None) -> None:
         self.nc = nc
         self.publisher = StreamPublisher(nc)
         self.engine = engine
         self.identity = identity
+        self.weights = weights if weights is not None else Weights(engine, identity.weight_version)
+        """The version each turn carries, and the gate a weight swap closes (weights.py)."""
         self.metrics = metrics
         self.draining = False
         self._subs: list[Subscription] = []
@@ -113,7 +117,8 @@ class InferenceServer:
             "subject": self.identity.subject,
             "inflight": self.inflight,
             "capacity": self.identity.max_inflight,
-            "weight_version": self.identity.weight_version,
+            "weight_version": self.weights.serving,
+            "swapping": self.weights.swapping,
             "engine": self.engine.name,
             "draining": self.draining,
             "time": time.time(),
@@ -214,20 +219,27 @@ class InferenceServer:
 
     async def _generate_and_publish(self, msg: Msg, request: InferenceRequested, received: float) -> None:
         metrics = self.metrics
-        self._active.add(request.request_id)
-        started = time.perf_counter()
-        try:
-            generation = await self.engine.generate(
-                request.request_id, request.prompt_token_ids, request.sampling, request.max_tokens,
-                session_key=request.episode_id,
-            )
-        except RolloutError as exc:
-            metrics.outcome["engine_error"].inc()
-            request_log(request).warning("inference.engine_error", error=str(exc), retryable=exc.retryable)
-            await self._reply_error(msg, type(exc).__name__, exc.retryable, str(exc))
-            return
-        finally:
-            self._active.discard(request.request_id)
+        while True:
+            version = await self.weights.admit(request.request_id)  # waits while a weight swap is on
+            self._active.add(request.request_id)
+            started = time.perf_counter()
+            again = False
+            try:
+                generation = await self.engine.generate(
+                    request.request_id, request.prompt_token_ids, request.sampling, request.max_tokens,
+                    session_key=request.episode_id,
+                )
+            except RolloutError as exc:
+                metrics.outcome["engine_error"].inc()
+                request_log(request).warning("inference.engine_error", error=str(exc), retryable=exc.retryable)
+                await self._reply_error(msg, type(exc).__name__, exc.retryable, str(exc))
+                return
+            finally:
+                self._active.discard(request.request_id)
+                again = self.weights.finished(request.request_id)
+            if not again:
+                break
+            metrics.regenerated.inc()  # a swap in mode abort cut it: generated again on the new weights
         finished = time.perf_counter()
         if generation.finish_reason == FinishReason.ABORT:
             metrics.outcome["aborted"].inc()
@@ -250,7 +262,7 @@ class InferenceServer:
             logprobs=generation.logprobs,
             top_logprobs=generation.top_logprobs,
             finish_reason=generation.finish_reason,
-            weight_version=self.identity.weight_version,
+            weight_version=version,
             engine=self.engine.name,
             worker_id=self.identity.worker_id,
             queue_ms=(started - received) * 1000.0,

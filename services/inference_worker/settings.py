@@ -15,7 +15,17 @@ class InferenceSettings(BaseServiceSettings):
     engine: Literal["fake", "vllm"] = "fake"
     """Engine serving the turns: ``fake`` (deterministic, for tests and benchmarks) or ``vllm``."""
     weight_version: int = Field(0, ge=0)
-    """Version of the policy weights loaded; stamped on every turn."""
+    """Version of the weights the worker starts with (``ROLLOUT_MODEL``'s). A newer version announced in the
+    ``rl_policy`` bucket is loaded at start and whenever one is announced; every turn carries the version that
+    generated it."""
+    swap_drain_timeout_s: float = Field(60.0, gt=0)
+    """Weight swap in mode ``drain``: how long the generations in flight may take to finish on the old weights
+    before the rest are aborted and generated again on the new ones."""
+    policy_report_s: float = Field(15.0, gt=0)
+    """How often the worker puts its report into ``rl_policy_workers`` besides every change (the entries expire
+    after 60 s)."""
+    fake_load_s: float = Field(0.0, ge=0)
+    """Fake engine only: seconds a weight load takes (for swap tests and the live-update benchmark)."""
     max_inflight: int = Field(256, ge=1)
     """Requests served at once; past this a request gets an ``Overloaded`` (retryable) reply at once."""
     heartbeat_s: float = Field(1.0, gt=0)

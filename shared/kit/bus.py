@@ -22,6 +22,7 @@ from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.events import EventBase, encode
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import (
+    BUCKET_HISTORY,
     BUCKET_TTL_S,
     BUCKETS,
     EVENTS_STREAM,
@@ -172,8 +173,9 @@ async def ensure_buckets(js: JetStreamContext, replicas: int | None = None) -> N
             await js.key_value(bucket)
         except NotFoundError:
             with contextlib.suppress(BadRequestError):
-                await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, replicas=num_replicas,
-                                                                ttl=BUCKET_TTL_S.get(bucket)))
+                await js.create_key_value(js_api.KeyValueConfig(
+                    bucket=bucket, history=BUCKET_HISTORY.get(bucket, 1), replicas=num_replicas,
+                    ttl=BUCKET_TTL_S.get(bucket)))
 
 
 async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> None:

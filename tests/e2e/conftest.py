@@ -112,9 +112,13 @@ class HostedEngine:
     """``Engine`` whose calls run on the host's loop; ``start``/``stop`` are no-ops (the session owns it)."""
 
     name = "vllm"
+    supports_keep = False
 
     def __init__(self, host: EngineHost) -> None:
         self.host = host
+
+    async def load_weights(self, checkpoint: str) -> None:
+        await self.host.call(self.host.engine.load_weights(checkpoint))
 
     async def start(self) -> None:
         return None
@@ -139,9 +143,14 @@ class HostedEngine:
 class SharedEngine:
     """The session engine handed to an in-process worker on the engine's own loop: its ``stop`` is a no-op."""
 
+    supports_keep = False
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.name: str = engine.name
+
+    async def load_weights(self, checkpoint: str) -> None:
+        await self.engine.load_weights(checkpoint)
 
     async def start(self) -> None:
         return None

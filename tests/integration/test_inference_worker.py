@@ -42,7 +42,8 @@ from rollout_ledger.shared.subjects import (
     infer_worker_subject,
 )
 
-HEARTBEAT_FIELDS = {"worker_id", "subject", "inflight", "capacity", "weight_version", "engine", "draining", "time"}
+HEARTBEAT_FIELDS = {"worker_id", "subject", "inflight", "capacity", "weight_version", "engine", "draining", "swapping",
+                    "time"}
 
 
 async def until(cond: Callable[[], bool], within_s: float = 10.0, what: str = "condition") -> None:
@@ -183,7 +184,7 @@ async def test_heartbeats(nc: bus.NATS, nats_url: str, model_dir: str, heartbeat
     assert set(first) == HEARTBEAT_FIELDS
     assert first["subject"] == infer_worker_subject(settings.worker_id)
     assert (first["capacity"], first["weight_version"], first["engine"]) == (17, 3, "fake")
-    assert first["inflight"] == 0 and first["draining"] is False
+    assert first["inflight"] == 0 and first["draining"] is False and first["swapping"] is False
     assert abs(first["time"] - time.time()) < 30
     assert beats[-1]["draining"] is True  # announced on shutdown
 

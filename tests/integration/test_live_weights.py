@@ -1,0 +1,114 @@
+"""Live policy updates through the whole pipeline (issue 15, part 2) on the fake engine, as real processes: a trainer
+announces versions while a batch runs; the inference worker swaps its engine's weights without a restart (drain,
+then abort), every turn records the version that generated it, a checkpoint of another architecture is refused
+while the old version keeps serving, a worker started later serves the current version, and a worker killed during
+a load comes back serving it. The real engine's swap (vLLM reloading weights) has its e2e test in tests/e2e."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rollout_ledger.cli.stack.supervisor import Stack
+from tests.helpers import Sql, metric, wait_for
+from tests.integration.test_pipeline import check_token_exact
+from tests.unit.test_weight_swap import checkpoint
+
+
+def _worker(url: str, worker_id: str) -> dict[str, Any] | None:
+    for w in httpx.get(f"{url}/v1/policy", timeout=10).json()["workers"]:
+        if w["worker_id"] == worker_id:
+            return dict(w)
+    return None
+
+
+def _announce(url: str, version: int, ckpt: Path, mode: str) -> None:
+    r = httpx.post(f"{url}/v1/policy/versions", json={"version": version, "checkpoint": str(ckpt), "mode": mode},
+                   timeout=10)
+    assert r.status_code == 201, r.text
+
+
+def _until_state(url: str, worker_id: str, version: int, state: str, timeout_s: float = 30) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        w = _worker(url, worker_id)
+        return w if w is not None and w["version"] == version and w["state"] == state else None
+
+    return wait_for(ready, timeout_s, f"{worker_id} to report {state} for version {version}")
+
+
+def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, model_dir: str,
+                                              tmp_path: Path) -> None:
+    inf = stack.start("inference-worker", name="inf-a", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="0.2",
+                      ROLLOUT_FAKE_LOAD_S="0.5", ROLLOUT_POLICY_REPORT_S="1")
+    stack.start("env-worker", ROLLOUT_CONCURRENCY="16")
+    stack.start("recorder")
+    url = stack.start("scheduler").url
+    assert _worker(url, "inf-a") == {**_worker(url, "inf-a"), "serving": 0, "state": "serving"}  # type: ignore[dict-item]
+    r = httpx.post(f"{url}/v1/batches", timeout=30, json={
+        "env": "fixed-turns", "tasks": [{"turns": 14}] * 8, "group_size": 2, "max_turns": 14,
+        "sampling": {"max_tokens": 8}})
+    assert r.status_code == 201, r.text
+    batch_id = r.json()["batch_id"]
+    sql = Sql(database_url)
+    try:
+        wait_for(lambda: sql.scalar("select count(*) from turns") >= 24, 60, "turns on version 0")
+        _announce(url, 1, checkpoint(model_dir, tmp_path / "v1"), "drain")
+        _until_state(url, "inf-a", 1, "serving")
+        swapped_1 = time.time()
+        wait_for(lambda: sql.scalar("select count(*) from turns where weight_version = 1") >= 24, 60,
+                 "turns on version 1")
+        _announce(url, 2, checkpoint(model_dir, tmp_path / "v2"), "abort")
+        _until_state(url, "inf-a", 2, "serving")
+        _announce(url, 3, checkpoint(model_dir, tmp_path / "v3", vocab_size=7), "drain")
+        refused = _until_state(url, "inf-a", 3, "failed")
+        assert refused["serving"] == 2 and "vocab_size" in refused["error"]
+
+        def done() -> bool:
+            return bool(httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()["done"])
+
+        wait_for(done, 120, "the batch")
+        statuses = {r["status"] for r in sql.rows("select distinct status from episodes")}
+        assert statuses == {"completed"}, statuses
+        assert check_token_exact(sql, batch_id) == 16
+        versions = {r["v"] for r in sql.rows("select distinct weight_version as v from turns where not superseded")}
+        assert versions == {0, 1, 2}, "every turn carries the version that generated it; 3 was refused"
+        late = sql.scalar("select count(*) from turns where produced_at > to_timestamp(:t) and weight_version < 1",
+                          t=swapped_1 + 0.5)
+        assert late == 0, "once version 1 serves, no turn is generated on version 0"
+        backwards = sql.scalar("""
+            select count(*) from turns a join turns b
+              on a.episode_id = b.episode_id and a.attempt = b.attempt and b.turn_index = a.turn_index + 1
+            where not a.superseded and not b.superseded and b.weight_version < a.weight_version""")
+        assert backwards == 0, "an episode's versions never go backwards"
+        mixed = sql.scalar("select count(*) from trajectories where cardinality(array(select distinct unnest("
+                           "action_versions))) > 1")
+        assert mixed > 0, "episodes that ran across a swap span versions, recorded per turn"
+        assert metric(inf.url, "rollout_inference_regenerated_total") > 0, "the abort swap cut turns in flight"
+        assert metric(inf.url, "rollout_weight_version") == 2
+        states = {(r["version"], r["state"]) for r in sql.rows(
+            "select version, state from policy_worker_states where worker_id = 'inf-a'")}
+        assert states == {(0, "retired"), (1, "retired"), (2, "serving"), (3, "failed")}
+        assert inf.alive
+
+        # a worker that starts now serves the newest version it can load from its first turn: 2, since the
+        # current one (3) is refused
+        late_worker = stack.start("inference-worker", name="inf-b", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_LOAD_S="0.2",
+                                  ROLLOUT_POLICY_REPORT_S="1")
+        assert _until_state(url, "inf-b", 3, "failed", timeout_s=10)["serving"] == 2
+        assert metric(late_worker.url, "rollout_weight_version") == 2
+
+        # a worker killed in the middle of a load comes back serving the announced version
+        slow = stack.start("inference-worker", name="inf-c", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_LOAD_S="4",
+                           ROLLOUT_POLICY_REPORT_S="1")
+        _announce(url, 4, checkpoint(model_dir, tmp_path / "v4"), "drain")
+        _until_state(url, "inf-c", 4, "loading")
+        slow.kill()
+        again = stack.start("inference-worker", name="inf-c", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_LOAD_S="0.2",
+                            ROLLOUT_POLICY_REPORT_S="1")
+        assert _until_state(url, "inf-c", 4, "serving", timeout_s=10)["serving"] == 4
+        assert metric(again.url, "rollout_weight_version") == 4
+    finally:
+        sql.close()
