@@ -8,6 +8,9 @@ Create Date: 2026-11-24 13:40:00
 A version row is written once by ``POST /v1/policy/versions`` (idempotent on the version, versions only increase);
 the scheduler mirrors the inference workers' reports from the ``rl_policy_workers`` KV bucket into
 ``policy_worker_states`` (one row per version and worker: announced, loading, serving, failed, retired).
+
+View ``v_trajectory_versions``: each trajectory's lowest and highest weight version, their span and whether its
+tokens came from more than one version (from ``action_versions``, one version per action range).
 """
 
 from __future__ import annotations
@@ -54,9 +57,19 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("version", "worker_id"),
     )
     op.create_index("ix_policy_worker_states_worker", "policy_worker_states", ["worker_id", "version"])
+    op.execute("""
+CREATE VIEW v_trajectory_versions AS
+SELECT t.episode_id, t.batch_id, t.group_id, t.attempt, t.status, v.min_version, v.max_version,
+       v.max_version - v.min_version AS version_span, v.versions > 1 AS mixed_versions
+FROM trajectories t
+CROSS JOIN LATERAL (
+    SELECT min(x) AS min_version, max(x) AS max_version, count(DISTINCT x) AS versions
+    FROM unnest(t.action_versions) AS x) v
+""")
 
 
 def downgrade() -> None:
+    op.execute("DROP VIEW v_trajectory_versions")
     op.drop_index("ix_policy_worker_states_worker", table_name="policy_worker_states")
     op.drop_table("policy_worker_states")
     op.drop_table("policy_versions")

@@ -216,6 +216,12 @@ class TrajectoryPublic(BaseModel):
     loss_mask: list[int]
     logprobs: list[float]
     weight_versions: list[int]
+    min_weight_version: int | None = None
+    """The lowest weight version of its sampled tokens (None: no sampled token)."""
+    max_weight_version: int | None = None
+    """The highest; a trajectory generated across a weight swap spans more than one."""
+    mixed_versions: bool = False
+    """Its sampled tokens came from more than one policy version."""
     action_ranges: list[list[int]]
     prompt_len: int
     num_tokens: int

@@ -86,6 +86,14 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
         mixed = sql.scalar("select count(*) from trajectories where cardinality(array(select distinct unnest("
                            "action_versions))) > 1")
         assert mixed > 0, "episodes that ran across a swap span versions, recorded per turn"
+        spans = sql.rows("select episode_id, min_version, max_version, version_span, mixed_versions "
+                         "from v_trajectory_versions order by version_span desc")
+        assert len(spans) == 16 and sum(r["mixed_versions"] for r in spans) == mixed
+        widest = spans[0]
+        assert widest["mixed_versions"] and widest["version_span"] == widest["max_version"] - widest["min_version"] > 0
+        shown = httpx.get(f"{url}/v1/episodes/{widest['episode_id']}/trajectory", timeout=10).json()
+        assert (shown["min_weight_version"], shown["max_weight_version"], shown["mixed_versions"]) == (
+            widest["min_version"], widest["max_version"], True)
         assert metric(inf.url, "rollout_inference_regenerated_total") > 0, "the abort swap cut turns in flight"
         assert metric(inf.url, "rollout_weight_version") == 2
         states = {(r["version"], r["state"]) for r in sql.rows(

@@ -73,9 +73,13 @@ async def get_trajectory(episode_id: str, state: StateDep, res: ResourcesDep) ->
     if tokenizer is not None:
         text = tokenizer.decode(token_ids)
         span_texts = list(decode_spans(tokenizer, token_ids, spans))
+    versions = sorted({int(v) for v in traj["action_versions"] if v is not None})
     return TrajectoryPublic.model_validate(
         {
             **traj,
+            "min_weight_version": versions[0] if versions else None,
+            "max_weight_version": versions[-1] if versions else None,
+            "mixed_versions": len(versions) > 1,
             "token_ids": token_ids,
             "action_ranges": [[int(a), int(b)] for a, b in traj["action_ranges"]],
             "segments": [[int(a), int(b)] for a, b in traj["segments"]],
