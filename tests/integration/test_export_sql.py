@@ -47,7 +47,8 @@ def populate(url: str) -> None:
     run(url, "INSERT INTO dead_letters (source, subject, stream_seq, reason, payload) "
              "VALUES ('recorder', 'rl.events.x', 7, 'schema: bad', '\\x00')")
     rescore(url, resolve("success"), Selection())
-    run(url, "INSERT INTO policy_versions (version, checkpoint, mode, request_hash) VALUES (4, '/ckpt/4', 'drain', 'h')")
+    run(url, "INSERT INTO policy_versions (version, checkpoint, mode, request_hash) "
+             "VALUES (4, '/ckpt/4', 'drain', 'h')")
     run(url, "INSERT INTO policy_worker_states (version, worker_id, state, reported_at) "
              "VALUES (4, 'w1', 'serving', now())")
 
