@@ -152,6 +152,36 @@ def status(
     print_batch(SchedulerClient(url).batch(batch_id))
 
 
+@app.command()
+def audit(
+    batch: str = typer.Option(..., "--batch", help="the batch whose trajectories are audited"),
+    checkpoint: str = typer.Option(None, help="the weights that sampled them (default: ROLLOUT_MODEL's)"),
+    version: int = typer.Option(None, help="audit only trajectories sampled entirely with this version"),
+    sample: int = typer.Option(16, help="trajectories audited at most (a seeded sample)"),
+    seed: int = typer.Option(0, help="which sample"),
+    database_url: str = typer.Option(None, envvar="DATABASE_URL", help="Postgres DSN"),
+) -> None:
+    """Recompute sampled tokens' logprobs with transformers on the CPU and record the gap to the stored inference
+    logprobs in logprob_audits (mean / p99 / max |delta| per trajectory)."""
+    from rollout_ledger.services.exporter.audit import audit_batch
+    from rollout_ledger.shared.kit.settings import BaseServiceSettings
+
+    if not database_url:
+        raise typer.BadParameter("set DATABASE_URL or pass --database-url")
+    weights = checkpoint or BaseServiceSettings().model
+    result = audit_batch(database_url, batch, weights, sample=sample, seed=seed, version=version)
+    for row in result.rows:
+        typer.echo(f"{row.episode_id}  tokens {row.num_tokens:5d}  mean {row.mean_abs_delta:.2e}  "
+                   f"p99 {row.p99_abs_delta:.2e}  max {row.max_abs_delta:.2e}  v{row.min_version}  {row.engine}")
+    if result.rows:
+        means = sorted(r.mean_abs_delta for r in result.rows)
+        typer.echo(f"{len(result.rows)} trajectories audited against {weights}: median mean |delta| "
+                   f"{means[len(means) // 2]:.2e}, max |delta| {max(r.max_abs_delta for r in result.rows):.2e}"
+                   + (f"; {result.skipped_mixed} skipped (other or mixed versions)" if result.skipped_mixed else ""))
+    else:
+        typer.echo(f"nothing audited in batch {batch} ({result.skipped_mixed} skipped: other or mixed versions)")
+
+
 @policy_app.command("push")
 def policy_push(
     checkpoint: str = typer.Argument(..., help="the new weights: a Hugging Face directory the workers can read"),

@@ -322,3 +322,24 @@ policy_worker_states = Table(
     Index("ix_policy_worker_states_worker", "worker_id", "version"),
 )
 
+logprob_audits = Table(
+    "logprob_audits",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("episode_id", String(128), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("batch_id", String(128), nullable=False),
+    Column("source", String(16), nullable=False, comment="audit (rollout audit) | trainer (the trainer's own pass)"),
+    Column("checkpoint", Text, nullable=False, comment="the weights the logprobs were recomputed with"),
+    Column("engine", String(64), nullable=False, comment="the engine(s) that sampled the trajectory"),
+    Column("min_version", Integer, comment="lowest weight version of its sampled tokens"),
+    Column("max_version", Integer, comment="highest weight version of its sampled tokens"),
+    Column("num_tokens", Integer, nullable=False, comment="sampled (loss-mask 1) tokens compared"),
+    Column("mean_abs_delta", Float, nullable=False, comment="mean |recomputed - stored logprob| over them"),
+    Column("p99_abs_delta", Float, nullable=False),
+    Column("max_abs_delta", Float, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ux_logprob_audits_key", "episode_id", "attempt", "source", "checkpoint", unique=True),
+    Index("ix_logprob_audits_batch", "batch_id"),
+)
+

