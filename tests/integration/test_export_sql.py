@@ -51,6 +51,9 @@ def populate(url: str) -> None:
              "VALUES (4, '/ckpt/4', 'drain', 'h')")
     run(url, "INSERT INTO policy_worker_states (version, worker_id, state, reported_at) "
              "VALUES (4, 'w1', 'serving', now())")
+    run(url, "INSERT INTO logprob_audits (episode_id, attempt, batch_id, source, checkpoint, engine, min_version, "
+             "max_version, num_tokens, mean_abs_delta, p99_abs_delta, max_abs_delta) "
+             "VALUES ('s1.0.0', 1, 's1', 'audit', '/ckpt/4', 'vllm', 3, 3, 3, 1e-5, 3e-5, 4e-5)")
 
 
 @pytest.fixture
