@@ -19,6 +19,7 @@ import msgpack
 import pytest
 
 from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.migrations.runner import downgrade, upgrade
 from rollout_ledger.shared.events import SCHEMA_VERSION, encode
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import (
@@ -35,6 +36,8 @@ from tests.integration.test_recorder import episode_events, seed_episodes, until
 
 PREVIOUS_RELEASE = "a71684c19b104cfb5aa0af25cc78d875ae45004b"
 """The last commit of the previous release: the contract the workers of the previous release speak."""
+PREVIOUS_SCHEMA = "0008"
+"""That release's database revision (its services refuse to start on any other)."""
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,17 +69,22 @@ def previous(service: str) -> tuple[str, ...]:
 
 def test_previous_release_workers_beside_current_ones_lose_nothing(stack: Stack, database_url: str,
                                                                     tmp_path: Path) -> None:
+    """The order of a real rolling upgrade: the previous release runs on its schema, the migrations Job brings the
+    database to this release's head (expand only: an old pod already running is unaffected), this release's pods
+    start beside the old ones, and a batch runs across both generations."""
     old = previous_release(tmp_path)
-    new_inf = stack.start("inference-worker", name="inference-new", ROLLOUT_ENGINE="fake",
-                          ROLLOUT_FAKE_DELAY_S="0.01")
+    downgrade(database_url, PREVIOUS_SCHEMA)
     old_inf = stack.start("inference-worker", name="inference-old", command=previous("inference-worker"),
                           PYTHONPATH=old, ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="0.01")
-    new_env = stack.start("env-worker", name="env-new", ROLLOUT_CONCURRENCY="4", ROLLOUT_FETCH_BATCH="1")
     old_env = stack.start("env-worker", name="env-old", command=previous("env-worker"), PYTHONPATH=old,
                           ROLLOUT_CONCURRENCY="4", ROLLOUT_FETCH_BATCH="1")
-    stack.start("recorder", name="recorder-new", ROLLOUT_BATCH_SIZE="16")
     stack.start("recorder", name="recorder-old", command=previous("recorder"), PYTHONPATH=old,
                 ROLLOUT_BATCH_SIZE="16")
+    upgrade(database_url)  # the migrations Job of this release
+    new_inf = stack.start("inference-worker", name="inference-new", ROLLOUT_ENGINE="fake",
+                          ROLLOUT_FAKE_DELAY_S="0.01")
+    new_env = stack.start("env-worker", name="env-new", ROLLOUT_CONCURRENCY="4", ROLLOUT_FETCH_BATCH="1")
+    stack.start("recorder", name="recorder-new", ROLLOUT_BATCH_SIZE="16")
     url = stack.start("scheduler").url
 
     info = submit_and_wait(url, timeout_s=120, env="guess-number", tasks=[{"seed": i} for i in range(12)],
