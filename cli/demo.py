@@ -138,7 +138,8 @@ def _print_summary(console: Console, rows: list[dict[str, Any]], wall_s: float) 
     console.print(table)
     console.print(f"generated {tokens} tokens in {wall_s:.1f}s ({tokens / max(wall_s, 1e-9):.0f} tok/s end to end); "
                   f"prefix cache hit rate {_pct(cached, prompt)} of prompt tokens; token_exact = trajectories whose "
-                  "ids decode to the chat template's rendering")
+                  "ids (the sampled ones, never re-tokenised) decode, with the template's closing text, to its "
+                  "rendering of the conversation (README)")
 
 
 def _pct(part: int, whole: int) -> str:
