@@ -20,7 +20,7 @@ import orjson
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -29,7 +29,7 @@ from rollout_ledger.services.scheduler.store import store_errors
 from rollout_ledger.shared.db import policy_versions, policy_worker_states, row_dict
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport
+from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState
 from rollout_ledger.shared.subjects import POLICY_KEY
 
 log = get_logger(__name__)
@@ -184,6 +184,16 @@ async def mirror_report(engine: AsyncEngine, report: WorkerPolicyReport) -> None
     with store_errors("mirroring a worker's policy report"):
         async with engine.begin() as conn:
             await conn.execute(stmt)
+            if report.serving is not None:
+                # a worker serving version v has retired every older one it served, whether or not its explicit
+                # "retired" report reached us (the bucket keeps one value per worker: a watcher can miss one)
+                await conn.execute(
+                    update(policy_worker_states)
+                    .where(policy_worker_states.c.worker_id == report.worker_id,
+                           policy_worker_states.c.version < report.serving,
+                           policy_worker_states.c.state == str(WorkerPolicyState.SERVING),
+                           policy_worker_states.c.reported_at <= report.time)
+                    .values(state=str(WorkerPolicyState.RETIRED), updated_at=func.now()))
 
 
 async def run_mirror(kv: KeyValue, engine: AsyncEngine, stop: asyncio.Event, retry_s: float = 1.0) -> None:

@@ -139,6 +139,19 @@ async def test_policy_shows_workers_and_episodes_in_flight_per_version(api: Api)
         return row is not None and row.state == "serving"
 
     await eventually(serving, what="the newer report to replace the older one")
+    # the bucket keeps one value per worker, so a watcher can miss the explicit "retired" report of version 2:
+    # serving version 3 retires it all the same
+    moved = WorkerPolicyReport(worker_id="inf-1", serving=3, version=3, state=WorkerPolicyState.SERVING,
+                               engine="fake", time=datetime.now(UTC))
+    await workers_kv.put("inf-1", orjson.dumps(moved.model_dump(mode="json")))
+
+    async def retired() -> bool:
+        async with api.engine.connect() as conn:
+            rows = (await conn.execute(select(policy_worker_states.c.version, policy_worker_states.c.state).where(
+                policy_worker_states.c.worker_id == "inf-1").order_by(policy_worker_states.c.version))).all()
+        return [tuple(r) for r in rows] == [(2, "retired"), (3, "serving")]
+
+    await eventually(retired, what="version 2 retired once version 3 serves")
 
 
 async def test_announcing_needs_the_write_token_when_one_is_set(nats_url: str, database_url: str,
