@@ -46,7 +46,7 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
     stack.start("env-worker", ROLLOUT_CONCURRENCY="16")
     stack.start("recorder")
     url = stack.start("scheduler").url
-    assert _worker(url, "inf-a") == {**_worker(url, "inf-a"), "serving": 0, "state": "serving"}  # type: ignore[dict-item]
+    assert _until_state(url, "inf-a", 0, "serving", timeout_s=10)["serving"] == 0  # reports are eventual
     r = httpx.post(f"{url}/v1/batches", timeout=30, json={
         "env": "fixed-turns", "tasks": [{"turns": 14}] * 8, "group_size": 2, "max_turns": 14,
         "sampling": {"max_tokens": 8}})
