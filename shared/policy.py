@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import enum
 from datetime import UTC, datetime
+from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rollout_ledger.shared.errors import SchemaError
+
+_M = TypeVar("_M", bound=BaseModel)
 
 _TOLERANT = ConfigDict(extra="ignore", frozen=True)
 
@@ -75,3 +81,15 @@ class WorkerPolicyReport(BaseModel):
     """Why the load failed (``failed``)."""
     engine: str = ""
     time: datetime = Field(default_factory=_now)
+
+
+def read_value(model: type[_M], value: bytes | None) -> _M | None:
+    """A KV value of the policy buckets as ``model``; None for an empty (deleted) one, ``SchemaError`` for one that
+    is not the agreed JSON."""
+    if not value:
+        return None
+    try:
+        return model.model_validate(orjson.loads(value))
+    except (ValueError, ValidationError) as exc:  # orjson.JSONDecodeError is a ValueError
+        raise SchemaError(f"not a {model.__name__}: {exc}") from exc
+

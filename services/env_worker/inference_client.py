@@ -234,8 +234,7 @@ class InferenceClient:
             started = loop.time()
             try:
                 reply = await self.request_once(subject, encode(request), worker)
-                self._check_error_reply(reply, subject)
-                turn = decode_as(reply.data, TurnGenerated)
+                turn = self._turn_of(reply, subject)
             except asyncio.CancelledError:
                 # The episode stopped waiting (its deadline passed): let the worker abort the generation.
                 with contextlib.suppress(Exception):
@@ -247,17 +246,21 @@ class InferenceClient:
                     excluded.add(worker.worker_id)
                 log.info("inference.try_failed", request_id=request.request_id, subject=subject, error=str(exc))
                 continue
-            except NewerContractError as exc:
-                # a worker of a newer contract major (rolling upgrade): try another one
-                last = TryFailed(f"{subject} answered in a newer contract: {exc}")
-                if worker is not None:
-                    excluded.add(worker.worker_id)
-                continue
             except SchemaError as exc:
                 raise InferenceError(f"malformed reply from {subject}: {exc}", retryable=False) from exc
             self._on_latency(loop.time() - started)
             return turn
         raise InferenceError(f"no turn after {self.config.max_tries} tries: {last}", retryable=True)
+
+    @classmethod
+    def _turn_of(cls, reply: Msg, subject: str) -> TurnGenerated:
+        """The reply's turn; ``TryFailed`` for a retryable error reply or a worker of a newer contract major (a
+        rolling upgrade: another worker can serve it), ``InferenceError`` / ``SchemaError`` otherwise."""
+        cls._check_error_reply(reply, subject)
+        try:
+            return decode_as(reply.data, TurnGenerated)
+        except NewerContractError as exc:
+            raise TryFailed(f"{subject} answered in a newer contract: {exc}") from exc
 
     @staticmethod
     def _check_error_reply(reply: Msg, subject: str) -> None:

@@ -40,7 +40,8 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
         await engine.start()
         identity = WorkerIdentity(settings.worker_id, settings.weight_version, settings.max_inflight,
                                   settings.heartbeat_s)
-        weights = Weights(engine, settings.weight_version, settings.swap_drain_timeout_s)
+        weights = Weights(engine, settings.weight_version, settings.swap_drain_timeout_s,
+                          on_swap=metrics.swap_seconds.observe)
         failed_load: list[BaseException] = []
 
         async def _failed_load(exc: BaseException) -> None:
@@ -58,11 +59,7 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
         health.checks["engine"] = lambda: served.healthy
         health.ready = True
         log.info("service.ready", http_port=http.port, engine=engine.name, weight_version=settings.weight_version)
-        swaps_seen = 0
         while not await sleep_or_shutdown(shutdown, ENGINE_CHECK_S):
-            if weights.swaps != swaps_seen and weights.last_swap_s is not None:
-                swaps_seen = weights.swaps
-                metrics.swap_seconds.observe(weights.last_swap_s)
             if failed_load or not engine.healthy:
                 engine_died = True
                 log.error("inference_worker.engine_dead", action="stopping: requesters fail over to other workers, "

@@ -28,12 +28,18 @@ import orjson
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
-from pydantic import ValidationError
 
 from rollout_ledger.services.inference_worker.checkpoints import WeightsRefused
 from rollout_ledger.services.inference_worker.engine import Engine
+from rollout_ledger.shared.errors import SchemaError
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.policy import PolicyAnnouncement, SwapMode, WorkerPolicyReport, WorkerPolicyState
+from rollout_ledger.shared.policy import (
+    PolicyAnnouncement,
+    SwapMode,
+    WorkerPolicyReport,
+    WorkerPolicyState,
+    read_value,
+)
 from rollout_ledger.shared.subjects import POLICY_BUCKET, POLICY_KEY, POLICY_WORKERS_BUCKET
 
 log = get_logger(__name__)
@@ -46,8 +52,11 @@ class SwapRefused(WeightsRefused):
 class Weights:
     """The version an engine serves and the gate in front of it (see the module docstring)."""
 
-    def __init__(self, engine: Engine, version: int, drain_timeout_s: float = 60.0) -> None:
+    def __init__(self, engine: Engine, version: int, drain_timeout_s: float = 60.0,
+                 on_swap: Callable[[float], None] | None = None) -> None:
         self.engine = engine
+        self.on_swap = on_swap
+        """Called with the seconds each successful swap held the gate closed (a metric)."""
         self.serving = version
         """The version every generation that starts now carries."""
         self.drain_timeout_s = drain_timeout_s
@@ -108,6 +117,8 @@ class Weights:
             finally:
                 self.last_swap_s = time.monotonic() - began
                 self._open.set()
+            if self.on_swap is not None:
+                self.on_swap(self.last_swap_s)
 
     async def _abort_running(self) -> None:
         running = list(self._running)
@@ -182,11 +193,7 @@ class PolicyFollower:
             await self.report()
             return
         except Exception as exc:  # the engine may be half-loaded: it is unhealthy now, the worker stops
-            self.state, self.error = WorkerPolicyState.FAILED, f"{type(exc).__name__}: {exc}"
-            log.error("weights.load_failed", version=announcement.version, error=self.error)
-            await self.report()
-            if self.on_failed_load is not None:
-                await self.on_failed_load(exc)
+            await self._failed_load(announcement.version, exc)
             return
         await self.report(WorkerPolicyReport(worker_id=self.worker_id, serving=self.weights.serving, version=old,
                                              state=WorkerPolicyState.RETIRED, engine=self.weights.engine.name))
@@ -208,10 +215,7 @@ class PolicyFollower:
                 log.warning("weights.refused", version=announcement.version, error=str(exc))
                 continue
             except Exception as exc:  # half-loaded: see apply
-                self.state, self.error = WorkerPolicyState.FAILED, f"{type(exc).__name__}: {exc}"
-                log.error("weights.load_failed", version=announcement.version, error=self.error)
-                if self.on_failed_load is not None:
-                    await self.on_failed_load(exc)
+                await self._failed_load(announcement.version, exc)
                 return
             break
         if self.weights.serving == newest.version:
@@ -219,6 +223,14 @@ class PolicyFollower:
         else:
             self.state, self.error = WorkerPolicyState.FAILED, refusal
         log.info("weights.start", serving=self.weights.serving, announced=newest.version, state=str(self.state))
+
+    async def _failed_load(self, version: int, exc: BaseException) -> None:
+        """A load failed after the checkpoint's check: report it, and let the worker stop (half-loaded engine)."""
+        self.state, self.error = WorkerPolicyState.FAILED, f"{type(exc).__name__}: {exc}"
+        log.error("weights.load_failed", version=version, error=self.error)
+        await self.report()
+        if self.on_failed_load is not None:
+            await self.on_failed_load(exc)
 
     def current_report(self) -> WorkerPolicyReport:
         return WorkerPolicyReport(worker_id=self.worker_id, serving=self.weights.serving, version=self.target,
@@ -279,10 +291,8 @@ class PolicyFollower:
 
 
 def _parse(value: bytes | None) -> PolicyAnnouncement | None:
-    if not value:
-        return None
     try:
-        return PolicyAnnouncement.model_validate(orjson.loads(value))
-    except (ValueError, ValidationError) as exc:
+        return read_value(PolicyAnnouncement, value)
+    except SchemaError as exc:
         log.warning("weights.bad_announcement", error=str(exc))
         return None

@@ -19,7 +19,6 @@ from typing import Any
 import orjson
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
-from pydantic import ValidationError
 from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -27,9 +26,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from rollout_ledger.services.scheduler.schemas import PolicyVersionCreate
 from rollout_ledger.services.scheduler.store import store_errors
 from rollout_ledger.shared.db import policy_versions, policy_worker_states, row_dict
-from rollout_ledger.shared.errors import BusError
+from rollout_ledger.shared.errors import BusError, SchemaError
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState
+from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState, read_value
 from rollout_ledger.shared.subjects import POLICY_KEY
 
 log = get_logger(__name__)
@@ -111,11 +110,9 @@ async def announce(kv: KeyValue, announcement: PolicyAnnouncement, tries: int = 
 
 
 def _parse_announcement(value: bytes | None) -> PolicyAnnouncement | None:
-    if not value:
-        return None
     try:
-        return PolicyAnnouncement.model_validate(orjson.loads(value))
-    except (ValueError, ValidationError) as exc:
+        return read_value(PolicyAnnouncement, value)
+    except SchemaError as exc:
         log.warning("policy.bad_announcement", error=str(exc))
         return None
 
@@ -148,11 +145,9 @@ async def worker_reports(kv: KeyValue) -> list[WorkerPolicyReport]:
 
 
 def parse_report(value: bytes | None) -> WorkerPolicyReport | None:
-    if not value:
-        return None
     try:
-        return WorkerPolicyReport.model_validate(orjson.loads(value))
-    except (ValueError, ValidationError) as exc:
+        return read_value(WorkerPolicyReport, value)
+    except SchemaError as exc:
         log.warning("policy.bad_worker_report", error=str(exc))
         return None
 

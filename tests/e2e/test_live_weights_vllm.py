@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
+from rollout_ledger.services.exporter.audit import load_model, recompute
 from rollout_ledger.services.inference_worker.checkpoints import WeightsRefused
 from rollout_ledger.shared.events import SamplingParams
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
@@ -52,16 +53,11 @@ def perturbed(model_dir: str, out: Path, scale: float) -> Path:
 
 
 def transformers_logprobs(checkpoint: str, prompt: np.ndarray, sampled: np.ndarray) -> np.ndarray:
-    """log p(sampled[i] | prompt + sampled[:i]) under ``checkpoint`` with transformers in float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    ids = torch.tensor(np.concatenate([prompt, sampled]).astype(np.int64))[None, :]
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1: -1].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return logprobs.gather(1, torch.tensor(sampled.astype(np.int64))[:, None])[:, 0].numpy()
+    """log p(sampled[i] | prompt + sampled[:i]) under ``checkpoint`` with transformers in float32 (the audit's
+    recomputation, on one segment)."""
+    ids = np.concatenate([prompt, sampled]).astype(np.int64)
+    positions = np.arange(len(prompt), len(ids))
+    return recompute(load_model(checkpoint), ids, [[0, len(ids)]], positions)
 
 
 async def test_a_checkpoint_loads_into_the_running_engine(vllm_host: EngineHost, tok: ChatTokenizer,
