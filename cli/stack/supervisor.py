@@ -2,6 +2,12 @@
 
 Used by `rollout up`, `make demo`, the integration tests (which kill processes with real signals) and the
 benchmarks. Each child gets its own log file and HTTP port.
+
+Each child leads a process group of its own (a new session), and its end is the end of the whole group: a vLLM
+inference worker has an engine-core child process (and that one a worker of its own) holding memory and ports, which
+would outlive a SIGKILL of the worker alone and make the engine of the worker started in its place die at start.
+``kill`` sends SIGKILL to the group; ``stop`` sends SIGTERM to the service process only (it drains, then stops
+its engine itself), then kills whatever of its group and descendants is left once it has exited.
 """
 
 from __future__ import annotations
@@ -16,11 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 from rollout_ledger.cli.stack.servers import free_port
 from rollout_ledger.services import catalog
 from rollout_ledger.shared.errors import InfraError
 
+GROUP_EXIT_TIMEOUT_S = 10.0
+"""How long ``kill``/``stop`` wait for a killed group's processes to be gone."""
 STOP_ORDER = (*catalog.SERVICES, "")
 """Tiers stopped one after another on shutdown: the catalog's drain order ("" = anything else)."""
 
@@ -90,24 +99,85 @@ class ServiceProcess:
         if self.alive and self.proc is not None:
             self.proc.send_signal(sig)
 
+    def descendants(self) -> list[psutil.Process]:
+        """The service process's children, theirs, and so on, now (an engine core and its worker, for vLLM); none
+        once the service process is reaped (its pid may be another process's then)."""
+        if self.proc is None or self.proc.returncode is not None:
+            return []
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:  # exited already
+            return []
+
     def kill(self) -> None:
-        """SIGKILL: a crash, nothing drains."""
-        if self.alive and self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
+        """SIGKILL to the whole process group: a crash, nothing drains, no child (an engine core) survives."""
+        if self.proc is None:
+            return
+        left = self.descendants()
+        self._kill_group()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(GROUP_EXIT_TIMEOUT_S)
+        self._end(left)
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM and wait for the drain; SIGKILL after ``timeout_s``."""
+        """SIGTERM to the service process and wait for its drain (it stops its engine itself); SIGKILL to the group
+        after ``timeout_s``. What is left of its group and descendants once it exited is killed."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        left = self.descendants()
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            self._exited(timeout_s)
+            self._kill_group()  # the leftovers of a drained exit, or everything after the timeout
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(GROUP_EXIT_TIMEOUT_S)
+        self._end(left)
         return self.proc.returncode
+
+    def _exited(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the service process to exit, without reaping it: while it is an unreaped
+        zombie its pid, the group's id, cannot be reused, so ``_kill_group`` reaches only its group."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:  # reaped already
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    def _kill_group(self) -> None:
+        """SIGKILL to the process group the service process leads (``start_new_session``: its id is the pid), as
+        long as the service process is not reaped (after that its pid may be another process's)."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    @staticmethod
+    def _end(procs: list[psutil.Process]) -> None:
+        """SIGKILL each of ``procs`` still running (one may have left the group; psutil checks that each is still
+        the process it was) and wait until none is (a zombie whose parent has not reaped it yet holds no memory and
+        no port: it counts as gone)."""
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        deadline = time.monotonic() + GROUP_EXIT_TIMEOUT_S
+        while any(_running(p) for p in procs):
+            if time.monotonic() > deadline:
+                raise InfraError(f"processes {[p.pid for p in procs if _running(p)]} survived SIGKILL for "
+                                 f"{GROUP_EXIT_TIMEOUT_S}s")
+            time.sleep(0.05)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 @dataclass
