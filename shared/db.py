@@ -55,6 +55,15 @@ batches = Table(
     Column("metadata", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("cancelled_at", DateTime(timezone=True)),
+    Column("max_staleness", Integer,
+           comment="k: an episode starts only while (current version - the version it would run on) <= k"),
+    Column("episodes_per_version", Integer,
+           comment="B: run-ahead bound, at most (current - base + k + 1) x B episodes admitted"),
+    Column("admission_base_version", Integer,
+           comment="the announced version when the batch was stored (the run-ahead's base)"),
+    CheckConstraint("max_staleness IS NULL OR max_staleness >= 0", name="ck_batches_max_staleness"),
+    CheckConstraint("episodes_per_version IS NULL OR episodes_per_version >= 1",
+                    name="ck_batches_episodes_per_version"),
 )
 
 episodes = Table(
@@ -83,7 +92,10 @@ episodes = Table(
     Column("started_at", DateTime(timezone=True)),
     Column("finished_at", DateTime(timezone=True)),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("admitted_version", Integer,
+           comment="the announced version when admission let the episode start (null: not bounded)"),
     Index("ix_episodes_batch_status", "batch_id", "status"),
+    Index("ix_episodes_waiting", "batch_id", postgresql_where=text("status = 'waiting'")),
     Index("ix_episodes_group", "group_id"),
 )
 
@@ -213,7 +225,7 @@ dead_letters = Table(
 )
 
 
-SCHEMA_REVISION = "0009"
+SCHEMA_REVISION = "0010"
 """The Alembic revision these tables describe and this code expects: the newest file in migrations/versions
 (tests/unit/test_schema_revision.py fails when a migration is added without moving it)."""
 

@@ -12,6 +12,9 @@ import enum
 class EpisodeStatus(enum.StrEnum):
     """Where an episode is in its life."""
 
+    WAITING = "waiting"
+    """Stored by the scheduler and held by admission: its batch bounds staleness (``max_staleness``) and the bound
+    does not let it start yet. It has no work item (services/scheduler/admission.py)."""
     REQUESTED = "requested"
     """Stored by the scheduler and on the work queue."""
     RUNNING = "running"
@@ -33,6 +36,8 @@ S = EpisodeStatus
 TERMINAL: frozenset[EpisodeStatus] = frozenset({S.COMPLETED, S.TRUNCATED, S.ABORTED, S.FAILED, S.CANCELLED})
 
 TRANSITIONS: dict[EpisodeStatus, frozenset[EpisodeStatus]] = {
+    # admission moves WAITING -> REQUESTED (and publishes its work item); a cancel ends it
+    S.WAITING: frozenset({S.REQUESTED, S.FAILED, S.CANCELLED}),
     S.REQUESTED: frozenset({S.RUNNING, S.FAILED, S.CANCELLED}),
     # RUNNING -> RUNNING is a new attempt after a crashed worker's redelivery.
     S.RUNNING: frozenset({S.RUNNING, S.COMPLETED, S.TRUNCATED, S.ABORTED, S.FAILED, S.CANCELLED}),

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_ledger.services.scheduler import policy
+from rollout_ledger.services.scheduler.admission import Admission
 from rollout_ledger.services.scheduler.api import batches, episodes
 from rollout_ledger.services.scheduler.api import envs as envs_api
 from rollout_ledger.services.scheduler.api import policy as policy_api
@@ -64,7 +65,10 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
             await engine.dispose()
         raise
     publisher = Publisher(js, engine, settings, state.metrics)
-    state.resources = Resources(nc, js, engine, envs_kv, cancel_kv, publisher, policy_kv, policy_workers_kv)
+    admission = Admission(engine, publisher, policy_kv, policy_workers_kv, state.metrics,
+                          interval_s=settings.admission_interval_s)
+    state.resources = Resources(nc, js, engine, envs_kv, cancel_kv, publisher, policy_kv, policy_workers_kv,
+                                admission)
     state.db_ok = True
     state.health.checks["nats"] = lambda: nc.is_connected
     state.health.checks["postgres"] = lambda: state.db_ok
@@ -74,7 +78,9 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
 
     stop = asyncio.Event()
     outbox = asyncio.create_task(publisher.run_outbox(stop, _on_pass), name="scheduler-outbox")
-    mirror = asyncio.create_task(policy.run_mirror(policy_workers_kv, engine, stop), name="scheduler-policy-mirror")
+    mirror = asyncio.create_task(policy.run_mirror(policy_workers_kv, engine, stop, on_report=admission.nudge),
+                                 name="scheduler-policy-mirror")
+    admitting = asyncio.create_task(admission.run(stop), name="scheduler-admission")
     state.health.ready = True
     log.info("scheduler.ready")
     try:
@@ -82,7 +88,7 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         state.health.ready = False
         stop.set()
-        for task in (outbox, mirror):
+        for task in (outbox, mirror, admitting):
             try:
                 await asyncio.wait_for(task, timeout=settings.drain_timeout_s)
             except (TimeoutError, asyncio.CancelledError):

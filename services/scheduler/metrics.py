@@ -17,6 +17,7 @@ class SchedulerMetrics:
     episodes_published: Counter
     episodes_republished: Counter
     publish_failures: Counter
+    episodes_admitted: Counter
     http_requests: Counter
     http_latency: Histogram
 
@@ -37,6 +38,9 @@ def create_metrics() -> SchedulerMetrics:
         ),
         publish_failures=Counter(
             "rollout_publish_failures", "Work items whose publish failed (left to the outbox)", registry=registry
+        ),
+        episodes_admitted=Counter(
+            "rollout_episodes_admitted", "Waiting episodes admission let start (bounded batches)", registry=registry
         ),
         http_requests=Counter(
             "rollout_http_requests", "HTTP requests by route and status", ["method", "route", "status"],

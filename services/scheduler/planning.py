@@ -31,10 +31,16 @@ def requested_event_id(ep_id: str) -> str:
     return f"{ep_id}:requested"
 
 
+OPTIONAL_FIELDS = ("context", "max_staleness", "episodes_per_version")
+"""Request fields added after the first release: left out of the canonical request when not given, so the hash of
+a request that does not use them is what it was before they existed."""
+
+
 def canonical_request(req: BatchCreate) -> bytes:
-    """The request as canonical JSON (sorted keys, defaults filled in, without ``batch_id``; without ``context``
-    when it is not given, so hashes of requests from before context policies existed do not change)."""
-    body = req.model_dump(mode="json", exclude={"batch_id"} if req.context is not None else {"batch_id", "context"})
+    """The request as canonical JSON (sorted keys, defaults filled in, without ``batch_id``; without the
+    ``OPTIONAL_FIELDS`` that are not given)."""
+    exclude = {"batch_id", *(name for name in OPTIONAL_FIELDS if getattr(req, name) is None)}
+    body = req.model_dump(mode="json", exclude=exclude)
     return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,19 +192,22 @@ async def mirror_report(engine: AsyncEngine, report: WorkerPolicyReport) -> None
                     .values(state=str(WorkerPolicyState.RETIRED), updated_at=func.now()))
 
 
-async def run_mirror(kv: KeyValue, engine: AsyncEngine, stop: asyncio.Event, retry_s: float = 1.0) -> None:
-    """Until ``stop``: every report put into ``rl_policy_workers`` becomes a row of ``policy_worker_states``. A lost
-    watch (NATS restarting) is opened again; it replays the latest report of every worker first."""
+async def run_mirror(kv: KeyValue, engine: AsyncEngine, stop: asyncio.Event, retry_s: float = 1.0,
+                     on_report: Callable[[], None] | None = None) -> None:
+    """Until ``stop``: every report put into ``rl_policy_workers`` becomes a row of ``policy_worker_states`` (and
+    calls ``on_report``). A lost watch (NATS restarting) is opened again; it replays the latest report of every
+    worker first."""
     while not stop.is_set():
         try:
-            await _mirror_once(kv, engine, stop)
+            await _mirror_once(kv, engine, stop, on_report)
         except Exception as exc:  # nats-py errors share no base class: watch again after a pause
             log.warning("policy.mirror_watch_lost", error=f"{type(exc).__name__}: {exc}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), retry_s)
 
 
-async def _mirror_once(kv: KeyValue, engine: AsyncEngine, stop: asyncio.Event) -> None:
+async def _mirror_once(kv: KeyValue, engine: AsyncEngine, stop: asyncio.Event,
+                       on_report: Callable[[], None] | None) -> None:
     watcher = await kv.watchall()
     try:
         while not stop.is_set():
@@ -220,6 +224,8 @@ async def _mirror_once(kv: KeyValue, engine: AsyncEngine, stop: asyncio.Event) -
                 await mirror_report(engine, report)
             except Exception as exc:  # a lost mirror write is repaired by the worker's next report
                 log.warning("policy.mirror_failed", worker=report.worker_id, error=str(exc))
+            if on_report is not None:
+                on_report()
     finally:
         with contextlib.suppress(Exception):
             await watcher.stop()

@@ -56,6 +56,15 @@ class BatchBase(BaseModel):
     message + last N turns, each turn its own training sample)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Free-form client data stored with the batch."""
+    max_staleness: int | None = Field(None, ge=0, le=1_000_000)
+    """k: an episode starts only while (current policy version - the version it would be generated with) <= k;
+    until then it waits (status ``waiting``, no work item). Null: the deployment's ``ROLLOUT_MAX_STALENESS``, and
+    when that is unset too, episodes start at once (no bound)."""
+    episodes_per_version: int | None = Field(None, ge=1)
+    """B, the trainer's consumption per policy version: with it, admission also bounds the run-ahead of generation
+    beyond what the trainer has consumed to (current - base + k + 1) x B episodes (AReaL's rule; base = the
+    version announced when the batch was stored). A multiple of ``group_size`` (whole groups are admitted); needs
+    a staleness bound."""
 
 
 class BatchCreate(BatchBase):
@@ -65,6 +74,27 @@ class BatchCreate(BatchBase):
     """The tasks, each handed to ``env.reset`` (at least one)."""
     batch_id: str | None = Field(None, pattern=BATCH_ID_PATTERN)
     """Client-supplied id; repeating the same request with it returns the existing batch."""
+
+
+class AdmissionPublic(BaseModel):
+    """Where a bounded batch's admission stands (services/scheduler/admission.py)."""
+
+    max_staleness: int
+    """k in force for the batch (its own or the deployment's)."""
+    episodes_per_version: int | None
+    base_version: int
+    """The announced version when the batch was stored."""
+    current_version: int
+    """The version announced now (the newest a trainer pushed)."""
+    serving_version: int
+    """The lowest version a live inference worker serves (the version a starting episode would run on)."""
+    admitted: int
+    """Episodes admitted so far (every status but waiting)."""
+    waiting: int
+    limit: int | None
+    """How many may be admitted in all at the current version (run-ahead bound); null without one."""
+    held: str | None
+    """Why waiting episodes are held now; null when none wait or they are about to be admitted."""
 
 
 class BatchCreatedPublic(BaseModel):
@@ -83,6 +113,8 @@ class BatchCreatedPublic(BaseModel):
     """``{batch_id}.{task_index}.{group_index}``, task-major."""
     num_published: int
     """Work items on the work queue so far; the outbox publishes the rest."""
+    num_waiting: int = 0
+    """Episodes held by admission (the batch bounds staleness): they get their work item when the bound allows."""
     status_url: str
     created_at: datetime
 
@@ -103,6 +135,8 @@ class BatchPublic(BatchBase):
     """Mean reward over finished (completed, truncated, aborted) episodes; null when none."""
     done: bool
     """Every episode is in a terminal status."""
+    admission: AdmissionPublic | None = None
+    """The staleness bound's state when the batch has one (``counts.waiting``: episodes it holds)."""
     created_at: datetime
     cancelled_at: datetime | None
 

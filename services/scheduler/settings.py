@@ -19,7 +19,8 @@ MIN_TOKEN_LENGTH = 8
 
 
 class SchedulerSettings(DatabaseSettings):
-    """Scheduler settings: API auth, batch limits and the outbox that republishes unpublished work items."""
+    """Scheduler settings: API auth, batch limits, the outbox that republishes unpublished work items, and the
+    staleness bound of admission."""
 
     api_token: SecretStr | None = None
     """Bearer token required on mutating routes (POST); unset means the API is open. Placeholders are refused."""
@@ -39,6 +40,13 @@ class SchedulerSettings(DatabaseSettings):
     """Work items published (with ``publish_async``) before their ``published_at`` is stored."""
     publish_timeout_s: float = Field(30.0, gt=0)
     """How long one chunk of publishes may wait for the stream's acks."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Deployment default of a batch's ``max_staleness`` k (a batch's own value wins): its episodes start only while
+    (announced policy version - the lowest version a live inference worker serves) <= k. Unset: batches without
+    their own bound start at once."""
+    admission_interval_s: float = Field(1.0, gt=0)
+    """How often admission looks at batches with waiting episodes (it also runs when a version is announced, a
+    worker reports and a bounded batch is stored)."""
     nats_initial_wait_s: float = Field(30.0, gt=0)
     """How long the first NATS connection is retried at start before the service gives up."""
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from nats.js.kv import KeyValue
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from rollout_ledger.services.scheduler.admission import Admission
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
 from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
@@ -29,6 +30,8 @@ class Resources:
     """``rl_policy``: the announced policy version."""
     policy_workers_kv: KeyValue
     """``rl_policy_workers``: each inference worker's report."""
+    admission: Admission
+    """Moves bounded batches' waiting episodes to the work queue when the staleness bound allows."""
 
 
 @dataclass

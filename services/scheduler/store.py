@@ -38,9 +38,11 @@ def store_errors(what: str) -> Iterator[None]:
 
 
 async def insert_batch(
-    conn: AsyncConnection, batch_row: dict[str, Any], planned: Sequence[PlannedEpisode]
+    conn: AsyncConnection, batch_row: dict[str, Any], planned: Sequence[PlannedEpisode],
+    status: EpisodeStatus = EpisodeStatus.REQUESTED,
 ) -> datetime | None:
-    """Insert the batch and its episodes and return its ``created_at``; None (nothing written) when it exists."""
+    """Insert the batch and its episodes (``requested``, or ``waiting`` for admission) and return its
+    ``created_at``; None (nothing written) when it exists."""
     created_at = (
         await conn.execute(
             pg_insert(batches).values(**batch_row).on_conflict_do_nothing().returning(batches.c.created_at)
@@ -48,7 +50,7 @@ async def insert_batch(
     ).scalar()
     if created_at is None:
         return None
-    await conn.execute(episodes.insert(), [ep.row() for ep in planned])
+    await conn.execute(episodes.insert(), [{**ep.row(), "status": str(status)} for ep in planned])
     return created_at
 
 
@@ -108,9 +110,9 @@ def is_done(counts: dict[str, int]) -> bool:
 
 
 async def cancel_batch(conn: AsyncConnection, batch_id: str) -> tuple[datetime, int]:
-    """Stamp ``cancelled_at`` (first time only) and move the batch's waiting episodes to cancelled.
+    """Stamp ``cancelled_at`` (first time only) and move the batch's episodes that did not start to cancelled.
 
-    Only ``requested`` episodes move here; running ones are ended by their env worker between turns.
+    Only ``waiting`` and ``requested`` episodes move here; running ones are ended by their env worker between turns.
     """
     cancelled_at = (
         await conn.execute(
@@ -120,7 +122,8 @@ async def cancel_batch(conn: AsyncConnection, batch_id: str) -> tuple[datetime, 
             .returning(batches.c.cancelled_at)
         )
     ).scalar_one()
-    sources = [s for s in allowed_sources(EpisodeStatus.CANCELLED) if s == EpisodeStatus.REQUESTED]
+    not_started = (EpisodeStatus.WAITING, EpisodeStatus.REQUESTED)
+    sources = [s for s in allowed_sources(EpisodeStatus.CANCELLED) if s in not_started]
     moved = await conn.execute(
         update(episodes)
         .where(episodes.c.batch_id == batch_id, episodes.c.status == func.any(sources))

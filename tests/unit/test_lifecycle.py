@@ -37,7 +37,15 @@ def test_happy_path_and_retry() -> None:
     assert not can_transition(S.COMPLETED, S.RUNNING)
 
 
+def test_a_waiting_episode_is_admitted_or_ends_but_never_starts_directly() -> None:
+    assert can_transition(S.WAITING, S.REQUESTED)
+    assert can_transition(S.WAITING, S.CANCELLED)
+    assert not can_transition(S.WAITING, S.RUNNING), "it has no work item: nothing can start it"
+    assert not can_transition(S.REQUESTED, S.WAITING)
+
+
 def test_allowed_sources_for_sql() -> None:
     assert sorted(allowed_sources(S.RUNNING)) == ["requested", "running"]
-    assert sorted(allowed_sources(S.CANCELLED)) == ["requested", "running"]
+    assert sorted(allowed_sources(S.CANCELLED)) == ["requested", "running", "waiting"]
+    assert allowed_sources(S.REQUESTED) == ["waiting"], "only admission makes an episode requested"
     assert allowed_sources(S.COMPLETED) == ["running"]

@@ -112,3 +112,12 @@ def test_validation_errors_name_the_field() -> None:
     assert {d["field"] for d in detail} == {"tasks", "group_size"}
     assert "group_size: Input should be greater than or equal to 1" in message
     assert "tasks: List should have at least 1 item" in message
+
+
+def test_bounds_not_given_leave_the_canonical_request_as_it_was() -> None:
+    """Requests from before admission hash as they did: the fields appear only when given."""
+    plain = BatchCreate(env="echo", tasks=[{"q": 1}])
+    assert b"max_staleness" not in canonical_request(plain) and b"episodes_per_version" not in canonical_request(plain)
+    bounded = BatchCreate(env="echo", tasks=[{"q": 1}], max_staleness=0)
+    assert b'"max_staleness":0' in canonical_request(bounded)
+    assert request_hash(bounded) != request_hash(plain)

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Response, status
 from structlog.contextvars import bound_contextvars
 
-from rollout_ledger.services.scheduler import envs, store
+from rollout_ledger.services.scheduler import admission, envs, store
 from rollout_ledger.services.scheduler.api.deps import AuthDep, ResourcesDep, StateDep
 from rollout_ledger.services.scheduler.planning import (
     BatchRunSpec,
@@ -19,6 +19,7 @@ from rollout_ledger.services.scheduler.planning import (
     task_size,
 )
 from rollout_ledger.services.scheduler.schemas import (
+    AdmissionPublic,
     BatchCancelPublic,
     BatchCreate,
     BatchCreatedPublic,
@@ -27,6 +28,7 @@ from rollout_ledger.services.scheduler.schemas import (
 )
 from rollout_ledger.services.scheduler.state import Resources
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.lifecycle import EpisodeStatus
 
 log = get_logger(__name__)
 
@@ -51,6 +53,7 @@ def _not_found(batch_id: str) -> HTTPException:
         401: {"model": ErrorPublic, "description": "Missing or wrong bearer token"},
         409: {"model": ErrorPublic, "description": "The batch id exists with a different request"},
         413: {"model": ErrorPublic, "description": "Too many episodes, or a task too large"},
+        422: {"model": ErrorPublic, "description": "A field is invalid (the message names it)"},
     },
 )
 async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, response: Response) -> BatchCreatedPublic:
@@ -70,6 +73,20 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
                 status.HTTP_413_CONTENT_TOO_LARGE,
                 f"tasks[{i}] is {size} bytes as JSON; the limit is {settings.max_task_bytes} (ROLLOUT_MAX_TASK_BYTES)",
             )
+    max_staleness = body.max_staleness if body.max_staleness is not None else settings.max_staleness
+    if body.episodes_per_version is not None:
+        if max_staleness is None:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                "episodes_per_version bounds the run-ahead of a staleness bound: set max_staleness too "
+                "(this deployment has no ROLLOUT_MAX_STALENESS)",
+            )
+        if body.episodes_per_version % body.group_size:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                f"episodes_per_version {body.episodes_per_version} is not a multiple of group_size "
+                f"{body.group_size}: admission starts whole groups",
+            )
     rhash = request_hash(body)
     batch_id = body.batch_id or new_batch_id()
     with bound_contextvars(batch_id=batch_id):
@@ -85,6 +102,8 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
             raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown env {body.env!r}; known envs: {listed}")
 
         planned = plan_episodes(batch_id, body.env, body.tasks, body.group_size)
+        bounded = max_staleness is not None
+        base_version = (await res.admission.versions()).current if bounded else None
         batch_row: dict[str, Any] = {
             "id": batch_id,
             "env": body.env,
@@ -96,11 +115,15 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
             "num_episodes": num_episodes,
             "request_hash": rhash,
             "metadata": body.metadata,
+            "max_staleness": max_staleness,
+            "episodes_per_version": body.episodes_per_version,
+            "admission_base_version": base_version,
         }
         t0 = time.perf_counter()
         with store.store_errors("insert batch"):
             async with res.engine.begin() as conn:
-                created_at = await store.insert_batch(conn, batch_row, planned)
+                created_at = await store.insert_batch(
+                    conn, batch_row, planned, EpisodeStatus.WAITING if bounded else EpisodeStatus.REQUESTED)
         t1 = time.perf_counter()
         if created_at is None:  # a concurrent request with the same batch id won the insert
             with store.store_errors("read batch"):
@@ -114,9 +137,17 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
         state.metrics.episodes_submitted.inc(num_episodes)
         spec = BatchRunSpec(body.env, body.group_size, body.max_turns, body.sampling.to_event(),
                             body.context.to_event() if body.context is not None else None)
-        published = await res.publisher.publish(planned, spec, source="submit")
+        num_waiting = 0
+        if bounded:  # admission publishes what the bound lets start now, and the rest as the versions advance
+            await res.admission.admit([batch_id])  # (or a pass running meanwhile did: read what they left)
+            with store.store_errors("read batch"):
+                async with res.engine.connect() as conn:
+                    published = (await store.batch_stats(conn, batch_id)).num_published
+                    num_waiting = (await store.status_counts(conn, batch_id))[EpisodeStatus.WAITING]
+        else:
+            published = await res.publisher.publish(planned, spec, source="submit")
         log.info("batch.submitted", env=body.env, num_tasks=len(body.tasks), num_episodes=num_episodes,
-                 published=published, insert_ms=round((t1 - t0) * 1000, 1),
+                 published=published, max_staleness=max_staleness, insert_ms=round((t1 - t0) * 1000, 1),
                  publish_ms=round((time.perf_counter() - t1) * 1000, 1))
         response.status_code = status.HTTP_201_CREATED
         return BatchCreatedPublic(
@@ -129,6 +160,7 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
             request_hash=rhash,
             episode_ids=[ep.id for ep in planned],
             num_published=published,
+            num_waiting=num_waiting,
             status_url=_status_url(batch_id),
             created_at=created_at,
         )
@@ -148,6 +180,7 @@ async def _replay(res: Resources, existing: dict[str, Any], rhash: str, response
         async with res.engine.connect() as conn:
             ids = await store.episode_ids_of(conn, batch_id)
             stats = await store.batch_stats(conn, batch_id)
+            counts = await store.status_counts(conn, batch_id)
     log.info("batch.replayed", republished=republished)
     response.status_code = status.HTTP_200_OK
     return BatchCreatedPublic(
@@ -160,6 +193,7 @@ async def _replay(res: Resources, existing: dict[str, Any], rhash: str, response
         request_hash=rhash,
         episode_ids=ids,
         num_published=stats.num_published,
+        num_waiting=counts[EpisodeStatus.WAITING],
         status_url=_status_url(batch_id),
         created_at=existing["created_at"],
     )
@@ -175,6 +209,9 @@ async def get_batch(batch_id: str, res: ResourcesDep) -> BatchPublic:
                 raise _not_found(batch_id)
             counts = await store.status_counts(conn, batch_id)
             stats = await store.batch_stats(conn, batch_id)
+            held = None
+            if batch["max_staleness"] is not None:
+                held = await admission.standing(conn, batch, await res.admission.versions())
     return BatchPublic(
         batch_id=batch_id,
         env=batch["env"],
@@ -190,9 +227,22 @@ async def get_batch(batch_id: str, res: ResourcesDep) -> BatchPublic:
         num_trajectories=stats.num_trajectories,
         mean_reward=stats.mean_reward,
         done=store.is_done(counts),
+        max_staleness=batch["max_staleness"],
+        episodes_per_version=batch["episodes_per_version"],
+        admission=_admission_public(held),
         created_at=batch["created_at"],
         cancelled_at=batch["cancelled_at"],
     )
+
+
+def _admission_public(held: admission.Standing | None) -> AdmissionPublic | None:
+    if held is None:
+        return None
+    return AdmissionPublic(
+        max_staleness=held.bound.max_staleness, episodes_per_version=held.bound.episodes_per_version,
+        base_version=held.bound.base_version, current_version=held.versions.current,
+        serving_version=held.versions.serving, admitted=held.admitted, waiting=held.waiting,
+        limit=held.decision.limit, held=held.decision.held)
 
 
 @router.post(

@@ -37,6 +37,7 @@ async def announce_version(body: PolicyVersionCreate, res: ResourcesDep, respons
     announced = False
     if recorded.newest:
         announced = await policy.announce(res.policy_kv, policy.announcement_of(recorded.row))
+        res.admission.nudge()  # a new version may let waiting episodes start
     if not recorded.created:
         response.status_code = status.HTTP_200_OK
     log.info("policy.version_announced", version=body.version, created=recorded.created, announced=announced,
