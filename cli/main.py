@@ -222,11 +222,11 @@ def policy_status(
 def _selection(batch: list[str] | None, env: list[str] | None, status: list[str] | None, reward_min: float | None,
                reward_max: float | None, since: str | None, until: str | None, version: int | None,
                max_staleness: int | None, complete_groups: bool, drop_uniform: bool, reward: str, advantage: str,
-               adv_epsilon: float, std_normalize: bool) -> Any:
+               adv_epsilon: float, std_normalize: bool, beyond_staleness: str = "include") -> Any:
     import datetime as dt
 
     from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
-    from rollout_ledger.services.exporter.selection import RewardChoice, Selection
+    from rollout_ledger.services.exporter.selection import BeyondStaleness, RewardChoice, Selection
 
     def when(text: str | None, name: str) -> dt.datetime | None:
         if not text:
@@ -243,7 +243,8 @@ def _selection(batch: list[str] | None, env: list[str] | None, status: list[str]
             reward_min=reward_min, reward_max=reward_max, since=when(since, "--since"), until=when(until, "--until"),
             version=version, max_staleness=max_staleness, complete_groups=complete_groups,
             drop_uniform=drop_uniform, reward=RewardChoice.parse(reward),
-            advantage=AdvantageSpec(AdvantageKind(advantage), adv_epsilon, std_normalize))
+            advantage=AdvantageSpec(AdvantageKind(advantage), adv_epsilon, std_normalize),
+            beyond_staleness=BeyondStaleness(beyond_staleness))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
@@ -259,6 +260,8 @@ _VERSION = typer.Option(None, help="the trainer's weight version V (staleness wi
 _STALE = typer.Option(None, help="keep trajectories sampled at most k versions behind --version")
 _COMPLETE = typer.Option(False, help="only groups whose every episode is terminal with a selected trajectory")
 _UNIFORM = typer.Option(False, help="drop groups whose rewards are all equal")
+_BEYOND = typer.Option("include", help="trajectories spanning more versions than their batch's max_staleness: "
+                                       "include, exclude or only")
 
 
 @app.command("export")
@@ -274,6 +277,7 @@ def export_cmd(
     max_staleness: int = _STALE,
     complete_groups: bool = _COMPLETE,
     drop_uniform: bool = _UNIFORM,
+    beyond_staleness: str = _BEYOND,
     reward: str = typer.Option("rollout", help="reward to export: rollout (its own) or NAME@VERSION (rescored)"),
     advantage: str = typer.Option("grpo", help="group advantage: grpo, rloo or none (= the reward)"),
     adv_epsilon: float = typer.Option(1e-6, help="grpo: added to the group std"),
@@ -298,7 +302,7 @@ def export_cmd(
     settings = ExporterSettings()
     url = database_url or settings.reader_url()
     sel = _selection(batch, env, status, reward_min, reward_max, since, until, version, max_staleness,
-                     complete_groups, drop_uniform, reward, advantage, adv_epsilon, std_normalize)
+                     complete_groups, drop_uniform, reward, advantage, adv_epsilon, std_normalize, beyond_staleness)
     try:
         shape, ext = shape_and_file_type(fmt, file_type)
         the_unit = Unit(unit)

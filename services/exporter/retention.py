@@ -216,7 +216,8 @@ def stored_selection(doc: Any) -> Selection | None:
             statuses=tuple(doc.get("statuses") or ()), reward_min=doc.get("reward_min"),
             reward_max=doc.get("reward_max"), since=when("since"), until=when("until"), version=doc.get("version"),
             max_staleness=doc.get("max_staleness"), complete_groups=bool(doc.get("complete_groups")),
-            drop_uniform=bool(doc.get("drop_uniform")), reward=RewardChoice.parse(doc.get("reward") or ""))
+            drop_uniform=bool(doc.get("drop_uniform")), reward=RewardChoice.parse(doc.get("reward") or ""),
+            beyond_staleness=doc.get("beyond_staleness") or "include")
     except (AttributeError, TypeError, ValueError) as exc:
         log.warning("consumer_selection_unreadable", selection=doc, error=str(exc))
         return None

@@ -9,6 +9,7 @@ rows that passed them, over narrow keys only; the wide fields are fetched for th
 from __future__ import annotations
 
 import datetime as dt
+import enum
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,6 +39,18 @@ class RewardChoice:
         return f"{self.name}@{self.version}"
 
 
+class BeyondStaleness(enum.StrEnum):
+    """What an export does with trajectories whose tokens span more versions than their batch's ``max_staleness``
+    (``v_trajectory_versions.beyond_staleness``; a batch without a bound has none)."""
+
+    INCLUDE = "include"
+    """Keep them with the others (the default)."""
+    EXCLUDE = "exclude"
+    """Leave them out."""
+    ONLY = "only"
+    """Take only them."""
+
+
 @dataclass(frozen=True)
 class Selection:
     """What to export. Empty tuples and ``None`` mean "no filter"."""
@@ -61,10 +74,13 @@ class Selection:
     that ended without a trajectory does not hold its group back)."""
     drop_uniform: bool = False
     """Drop groups whose selected rewards are all equal (no learning signal for group baselines)."""
+    beyond_staleness: BeyondStaleness = BeyondStaleness.INCLUDE
+    """Trajectories spanning more versions than their batch's ``max_staleness``: include, exclude or only them."""
     reward: RewardChoice | None = None
     advantage: AdvantageSpec = field(default_factory=AdvantageSpec)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "beyond_staleness", BeyondStaleness(self.beyond_staleness))  # ValueError: unknown
         if self.max_staleness is not None and (self.version is None or self.max_staleness < 0):
             raise ValueError("a staleness window needs --version V and --max-staleness k >= 0")
         if self.reward_min is not None and self.reward_max is not None and self.reward_min > self.reward_max:
@@ -76,6 +92,7 @@ class Selection:
         out = asdict(self)
         out["reward"] = str(self.reward) if self.reward else "rollout"
         out["advantage"] = self.advantage.describe()
+        out["beyond_staleness"] = str(self.beyond_staleness)
         for key in ("since", "until"):
             if out[key] is not None:
                 out[key] = out[key].isoformat()
@@ -175,9 +192,13 @@ def _filters(sel: Selection, scope: Scope | None = None) -> _Filters:
     if sel.until is not None:
         where.append("t.created_at < %(until)s")
         params["until"] = sel.until
+    # episodes.weight_versions: the distinct versions of the kept turns (short); per-token ones as fallback.
+    versions = "coalesce(e.weight_versions, t.weight_versions)"
+    if sel.beyond_staleness is not BeyondStaleness.INCLUDE:
+        beyond = (f"coalesce((SELECT max(v) - min(v) FROM unnest({versions}) v WHERE v >= 0) > "
+                  "(SELECT b.max_staleness FROM batches b WHERE b.id = t.batch_id), false)")
+        where.append(beyond if sel.beyond_staleness is BeyondStaleness.ONLY else f"NOT {beyond}")
     if sel.version is not None:
-        # episodes.weight_versions: the distinct versions of the kept turns (short); per-token ones as fallback.
-        versions = "coalesce(e.weight_versions, t.weight_versions)"
         lo = sel.version - (sel.max_staleness if sel.max_staleness is not None else 0)
         where.append(f"(SELECT min(v) FROM unnest({versions}) v WHERE v >= 0) >= %(version_lo)s")
         where.append(f"(SELECT max(v) FROM unnest({versions}) v WHERE v >= 0) <= %(version_hi)s")

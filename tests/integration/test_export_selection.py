@@ -13,7 +13,7 @@ from rollout_ledger.cli.main import app
 from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec, group_advantages
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.rewards import RewardError, RewardInput, rescore, resolve
-from rollout_ledger.services.exporter.selection import RewardChoice, Selection
+from rollout_ledger.services.exporter.selection import BeyondStaleness, RewardChoice, Selection
 from rollout_ledger.services.exporter.source import connect, connect_arrow, fetch
 from tests.integration.export_data import Traj, run, seed_batch
 
@@ -156,3 +156,29 @@ def test_cli_export_and_rescore(database_url: str, tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "unknown format" in bad.output
     bad = runner.invoke(app, ["export", "--follow"], env=env)
     assert bad.exit_code == 2 and "--follow needs --consumer" in bad.output
+
+
+def test_trajectories_beyond_their_batch_staleness_are_marked_and_selectable(database_url: str,
+                                                                            tmp_path: Path) -> None:
+    seed_batch(database_url, "k1", [[
+        Traj(segments=((4, ((2, 1), (2, 0))),), versions=(10, 12)),  # spans 2 versions: beyond k = 1
+        Traj(segments=((4, ((2, 1), (2, 0))),), versions=(11, 12)),  # spans 1: within
+        Traj(versions=(12,)),
+    ]])
+    seed_batch(database_url, "free", [[Traj(segments=((4, ((2, 1), (2, 0))),), versions=(3, 9))]])  # no bound
+    run(database_url, "UPDATE batches SET max_staleness = 1 WHERE id = 'k1'")
+    marked = run(database_url, "SELECT episode_id, version_span, max_staleness, beyond_staleness "
+                               "FROM v_trajectory_versions ORDER BY episode_id")
+    assert marked == [("free.0.0", 6, None, False), ("k1.0.0", 2, 1, True), ("k1.0.1", 1, 1, False),
+                      ("k1.0.2", 0, 1, False)]
+    assert ids(select(database_url, Selection())) == ["free.0.0", "k1.0.0", "k1.0.1", "k1.0.2"]
+    assert ids(select(database_url, Selection(beyond_staleness=BeyondStaleness.EXCLUDE))) == [
+        "free.0.0", "k1.0.1", "k1.0.2"]
+    assert ids(select(database_url, Selection(beyond_staleness=BeyondStaleness.ONLY))) == ["k1.0.0"]
+    with pytest.raises(ValueError, match="'some' is not a valid BeyondStaleness"):
+        Selection(beyond_staleness="some")  # type: ignore[arg-type]
+    out = CliRunner().invoke(app, ["export", "--batch", "k1", "--beyond-staleness", "exclude", "--format", "jsonl",
+                                   "--database-url", database_url, "--out", str(tmp_path), "--name", "k1.jsonl"])
+    assert out.exit_code == 0, out.output
+    exported = [json.loads(line)["episode_id"] for line in (tmp_path / "k1.jsonl").read_text().splitlines()]
+    assert exported == ["k1.0.1", "k1.0.2"]
