@@ -57,7 +57,7 @@ import psycopg
 import structlog
 
 from rollout_ledger.services.exporter.cursor import Position
-from rollout_ledger.services.exporter.selection import RewardChoice, Selection, _filters
+from rollout_ledger.services.exporter.selection import BeyondStaleness, RewardChoice, Selection, _filters
 from rollout_ledger.services.exporter.source import connect
 from rollout_ledger.shared.errors import RolloutError
 
@@ -217,7 +217,7 @@ def stored_selection(doc: Any) -> Selection | None:
             reward_max=doc.get("reward_max"), since=when("since"), until=when("until"), version=doc.get("version"),
             max_staleness=doc.get("max_staleness"), complete_groups=bool(doc.get("complete_groups")),
             drop_uniform=bool(doc.get("drop_uniform")), reward=RewardChoice.parse(doc.get("reward") or ""),
-            beyond_staleness=doc.get("beyond_staleness") or "include")
+            beyond_staleness=BeyondStaleness(doc.get("beyond_staleness") or BeyondStaleness.INCLUDE))
     except (AttributeError, TypeError, ValueError) as exc:
         log.warning("consumer_selection_unreadable", selection=doc, error=str(exc))
         return None
