@@ -72,9 +72,13 @@ POLICY_KEY = "current"
 POLICY_WORKERS_BUCKET = "rl_policy_workers"
 """Inference worker id -> its ``WorkerPolicyReport``, written by each worker; mirrored into Postgres by the
 scheduler."""
-BUCKETS = (ENVS_BUCKET, CANCEL_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET)
+POLICY_ENV_BUCKET = "rl_policy_env"
+"""Env worker id -> its ``EnvPolicyReport`` (whether it holds new episodes back for a ``drain`` announcement and has
+drained), written by each env worker; read by inference workers, which swap in mode ``drain`` once every live env
+worker has drained for the version."""
+BUCKETS = (ENVS_BUCKET, CANCEL_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET, POLICY_ENV_BUCKET)
 """Every KV bucket the services declare."""
-BUCKET_TTL_S = {POLICY_WORKERS_BUCKET: 60.0}
+BUCKET_TTL_S = {POLICY_WORKERS_BUCKET: 60.0, POLICY_ENV_BUCKET: 60.0}
 """Buckets whose entries expire when not written again in time (a worker that stopped reporting drops out)."""
 BUCKET_HISTORY = {POLICY_BUCKET: 16}
 """Buckets that keep earlier values of a key (1 elsewhere): a worker that cannot load the current policy version

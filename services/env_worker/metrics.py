@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+_PAUSE_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
 
@@ -23,6 +24,10 @@ class EnvWorkerMetrics:
     remote_env_retries: Counter
     attempts_retried: Counter
     work_items_parked: Counter
+    policy_paused: Gauge
+    policy_pause_seconds: Histogram
+    policy_episode_drain_seconds: Histogram
+    policy_pause_timeouts: Counter
 
 
 def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics:
@@ -50,4 +55,13 @@ def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics
         work_items_parked=Counter("rollout_work_items_parked_total",
                                   "Work items of a newer contract major handed back for an upgraded worker",
                                   registry=registry),
+        policy_paused=Gauge("rollout_policy_paused", "1 while this worker starts no new episode for a policy version "
+                            "announced in mode drain", registry=registry),
+        policy_pause_seconds=Histogram("rollout_policy_pause_seconds", "Time new episodes were held back for a "
+                                       "policy version (drain), per pause", buckets=_PAUSE_BUCKETS, registry=registry),
+        policy_episode_drain_seconds=Histogram("rollout_policy_episode_drain_seconds", "Time from holding new "
+                                               "episodes back to the last running one ending, per pause",
+                                               buckets=_PAUSE_BUCKETS, registry=registry),
+        policy_pause_timeouts=Counter("rollout_policy_pause_timeouts", "Pauses ended by policy_drain_timeout_s while "
+                                      "a live inference worker did not serve the version yet", registry=registry),
     )

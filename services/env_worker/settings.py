@@ -90,6 +90,14 @@ class EnvWorkerSettings(ConsumerSettings):
     past it the awaited call is cancelled (an inference request is aborted in the engine) and the attempt fails
     with class ``timeout``. 0: no deadline. Agent functions have ``agent_timeout_s``."""
 
+    policy_drain_timeout_s: float = Field(300.0, gt=0)
+    """Policy version announced in mode ``drain``: the worker starts no new episode until every live inference
+    worker serves it (its running episodes finish on the old weights, then the inference workers swap); past this
+    many seconds after it paused it starts episodes anyway (logged)."""
+    policy_report_s: float = Field(15.0, gt=0)
+    """How often the worker puts its report into ``rl_policy_env`` besides every change (the entries expire after
+    60 s; inference workers wait for the live ones to drain)."""
+
     @field_validator("remote_envs")
     @classmethod
     def _check_remote_envs(cls, v: str) -> str:

@@ -1,4 +1,5 @@
-"""The env worker's consume loop: pulls work items for free slots, runs each episode as a task, drains on SIGTERM."""
+"""The env worker's consume loop: pulls work items for free slots, runs each episode as a task, holds new episodes
+back while a policy version is drained (policy_gate.py), drains on SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rollout_ledger.services.env_worker.cancellation import CancelWatch
 from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
+from rollout_ledger.services.env_worker.policy_gate import EpisodeGate
 from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
@@ -24,6 +26,7 @@ from rollout_ledger.shared.errors import BusError, NewerContractError, SchemaErr
 from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.policy_bus import PolicyBus
 from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.kit.runtime import Health, Shutdown, sleep_or_shutdown
 from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_CONSUMER, WORK_STREAM, WORK_SUBJECT, env_key
@@ -69,6 +72,11 @@ class EnvWorker:
             on_latency=metrics.turn_latency.observe,
         )
         self.publisher = StreamPublisher(nc, settings.publish_timeout_s)
+        self.gate = EpisodeGate(PolicyBus(self.js), settings.worker_id, drain_timeout_s=settings.policy_drain_timeout_s,
+                                report_s=settings.policy_report_s, alive=lambda w: w in self.client.workers,
+                                metrics=metrics)
+        """Holds new episodes back while a policy version announced in mode ``drain`` is being swapped in."""
+        self._stopping = asyncio.Event()
         metrics.cancelled_batches.set_function(lambda: len(self.cancels.cancelled))
         self.tasks: set[asyncio.Task[None]] = set()
         self._slot_free = asyncio.Event()
@@ -94,6 +102,7 @@ class EnvWorker:
         await self.client.start()
         if not await self.client.wait_for_workers(s.inference_discovery_s):
             log.warning("env_worker.no_inference_workers", waited_s=s.inference_discovery_s)
+        await self.gate.start()  # after the heartbeats: which inference workers are live
         psub = await self.js.pull_subscribe(WORK_SUBJECT, durable=WORK_CONSUMER, stream=WORK_STREAM)
         deps = self._deps()
         self.health.checks["nats"] = lambda: self.nc.is_connected
@@ -102,10 +111,12 @@ class EnvWorker:
         try:
             await self._consume(psub, deps, shutdown)
         finally:
+            self._stopping.set()
             self.health.draining = True
             await self._drain()
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+            await self.gate.stop()
             await self.client.stop()
             await self.publisher.stop()
             await self.cancels.stop()
@@ -113,6 +124,9 @@ class EnvWorker:
     async def _consume(self, psub: JetStreamContext.PullSubscription, deps: DriverDeps, shutdown: Shutdown) -> None:
         s = self.settings
         while not shutdown.requested:
+            if not self.gate.is_open:  # a policy version is being drained: take no new work item
+                await _first(self.gate.wait_open(self._stopping), shutdown.wait())
+                continue
             free = s.concurrency - len(self.tasks)
             if free <= 0:
                 self._slot_free.clear()
@@ -155,6 +169,15 @@ class EnvWorker:
                 await msg.term()
             return
         attempt = item.attempt_base + bus.delivery_attempt(msg)
+        if not self.gate.is_open:  # taken before the gate closed: hold it, in progress, until it opens
+            async with bus.keep_in_progress(msg, self.settings.ack_wait_s / 3):
+                admitted = await self.gate.admit(self._stopping)
+        else:
+            admitted = await self.gate.admit(self._stopping)
+        if not admitted:  # the worker stops while the item waited: hand it back
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            return
         self.metrics.episodes_in_flight.inc()
         try:
             async with bus.keep_in_progress(msg, self.settings.ack_wait_s / 3):
@@ -178,6 +201,7 @@ class EnvWorker:
             with contextlib.suppress(Exception):
                 await msg.nak(delay=_NAK_DELAY_S)
         finally:
+            self.gate.finished()
             self.metrics.episodes_in_flight.dec()
 
     async def _drain(self) -> None:

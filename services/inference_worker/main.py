@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 
+from rollout_ledger.services.inference_worker.checkpoints import check_compatible
 from rollout_ledger.services.inference_worker.engine import Engine
 from rollout_ledger.services.inference_worker.engines import build_engine
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
 from rollout_ledger.services.inference_worker.server import InferenceServer, WorkerIdentity
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
-from rollout_ledger.services.inference_worker.weights import PolicyFollower, Weights
+from rollout_ledger.services.inference_worker.weights import EpisodeDrain, PolicyFollower, Weights
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import configure_logging, get_logger
+from rollout_ledger.shared.kit.policy_bus import PolicyBus
 from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
+from rollout_ledger.shared.policy import EnvPolicyReport
+from rollout_ledger.shared.subjects import POLICY_ENV_BUCKET
 
 SERVICE = "inference-worker"
 ENGINE_CHECK_S = 1.0
@@ -47,8 +51,18 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
         async def _failed_load(exc: BaseException) -> None:
             failed_load.append(exc)  # the engine may be half-loaded: stop serving (the loop below exits)
 
-        follower = PolicyFollower(nc.jetstream(), weights, settings.worker_id, settings.policy_report_s,
-                                  on_failed_load=_failed_load)
+        policy = PolicyBus(nc.jetstream())
+        env_reports = policy.reports(POLICY_ENV_BUCKET, EnvPolicyReport)
+        await env_reports.start()
+
+        async def _precheck(checkpoint: str) -> None:
+            await asyncio.to_thread(check_compatible, settings.model, checkpoint)
+
+        episode_drain = EpisodeDrain(env_reports, settings.episode_drain_timeout_s, precheck=_precheck,
+                                     on_waited=metrics.episode_drain_seconds.observe,
+                                     on_timeout=metrics.episode_drain_timeouts.inc)
+        follower = PolicyFollower(policy, weights, settings.worker_id, settings.policy_report_s,
+                                  on_failed_load=_failed_load, episode_drain=episode_drain)
         await follower.start()  # serves the announced version from the first turn on (loaded here if newer)
         metrics.weight_version.set_function(lambda: weights.serving)
         server = InferenceServer(nc, engine, identity, metrics, weights)
@@ -67,6 +81,7 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
                 break
         health.draining = True
         await follower.stop()
+        await env_reports.stop()
         await server.drain(settings.drain_timeout_s)
     finally:
         health.ready = False

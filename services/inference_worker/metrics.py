@@ -30,6 +30,8 @@ class InferenceMetrics:
     regenerated: Counter
     weight_version: Gauge
     swap_seconds: Histogram
+    episode_drain_seconds: Histogram
+    episode_drain_timeouts: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> InferenceMetrics:
@@ -56,4 +58,11 @@ class InferenceMetrics:
             swap_seconds=Histogram("rollout_weight_swap_seconds", "Time a weight swap held new generations back "
                                    "(drain or abort, then load).", buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
                                    registry=reg),
+            episode_drain_seconds=Histogram(
+                "rollout_episode_drain_seconds", "Time a drain swap waited for the env workers' episodes to finish "
+                "(new episodes held back) before it began.", buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                registry=reg),
+            episode_drain_timeouts=Counter(
+                "rollout_episode_drain_timeouts", "Drain swaps that stopped waiting for the env workers' episodes "
+                "(episode_drain_timeout_s) and drained turns only.", registry=reg),
         )

@@ -21,6 +21,11 @@ class InferenceSettings(BaseServiceSettings):
     swap_drain_timeout_s: float = Field(60.0, gt=0)
     """Weight swap in mode ``drain``: how long the generations in flight may take to finish on the old weights
     before the rest are aborted and generated again on the new ones."""
+    episode_drain_timeout_s: float = Field(120.0, ge=0)
+    """Policy version announced in mode ``drain``: how long the worker keeps serving the episodes that run on the
+    old weights, waiting for every live env worker to report it has drained (started no new episode and has none
+    running, ``rl_policy_env``), before it swaps anyway (logged; a turn-level drain, so episodes still running then
+    span the two versions). 0: turn-level drain only."""
     policy_report_s: float = Field(15.0, gt=0)
     """How often the worker puts its report into ``rl_policy_workers`` besides every change (the entries expire
     after 60 s)."""

@@ -2,6 +2,13 @@
 engine's weights to a newer version without a restart, and the follower that takes the version announced in the
 ``rl_policy`` bucket and reports each step in ``rl_policy_workers``.
 
+An announcement in mode ``drain`` is an episode-level drain: the env workers start no new episode and report in
+``rl_policy_env`` once their running episodes have finished (services/env_worker/policy_gate.py). The follower
+checks the checkpoint first (a refused one pauses nobody for long), then keeps serving the turns of those episodes
+until every live env worker reports drained for the version (at most ``episode_drain_timeout_s``; past it, logged,
+it goes on with the turn-level drain below and episodes that still run span the two versions), then swaps. The env
+workers start episodes again once every live inference worker serves the version. ``abort`` pauses no episode.
+
 A swap (one at a time; a newer announcement during a swap is taken after it):
 
 1. the gate closes: a request that arrives waits at it (it is not refused: its episode goes on after the swap);
@@ -23,24 +30,21 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-
-import orjson
-from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError
-from nats.js.kv import KeyValue
+from dataclasses import dataclass
 
 from rollout_ledger.services.inference_worker.checkpoints import WeightsRefused
 from rollout_ledger.services.inference_worker.engine import Engine
-from rollout_ledger.shared.errors import SchemaError
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.policy_bus import PolicyBus, ReportMirror
 from rollout_ledger.shared.policy import (
+    EnvPolicyReport,
     PolicyAnnouncement,
     SwapMode,
     WorkerPolicyReport,
     WorkerPolicyState,
-    read_value,
+    envs_not_drained,
 )
-from rollout_ledger.shared.subjects import POLICY_BUCKET, POLICY_KEY, POLICY_WORKERS_BUCKET
+from rollout_ledger.shared.subjects import POLICY_WORKERS_BUCKET
 
 log = get_logger(__name__)
 
@@ -134,35 +138,53 @@ class Weights:
         return self._idle.is_set()
 
 
+@dataclass(frozen=True)
+class EpisodeDrain:
+    """How the follower waits for the env workers' episodes before a ``drain`` swap (see the module docstring)."""
+
+    episodes: ReportMirror[EnvPolicyReport] | None
+    """The env workers' reports (``rl_policy_env``); None: no episode-level drain (turn-level only)."""
+    timeout_s: float = 120.0
+    """At most this long; 0: turn-level drain only."""
+    precheck: Callable[[str], Awaitable[None]] | None = None
+    """Raises ``WeightsRefused`` for a checkpoint the engine would refuse, before anyone is held back for it."""
+    on_waited: Callable[[float], None] | None = None
+    """Called with the seconds each episode-level drain waited (a metric)."""
+    on_timeout: Callable[[], None] | None = None
+    """Called when one gave up waiting (a metric)."""
+
+
 class PolicyFollower:
     """Takes the announced version into ``Weights`` and reports this worker's state (see the module docstring)."""
 
-    def __init__(self, js: JetStreamContext, weights: Weights, worker_id: str, report_s: float = 15.0,
-                 on_failed_load: Callable[[BaseException], Awaitable[None]] | None = None) -> None:
-        self.js = js
+    def __init__(self, bus: PolicyBus, weights: Weights, worker_id: str, report_s: float = 15.0,
+                 on_failed_load: Callable[[BaseException], Awaitable[None]] | None = None,
+                 episode_drain: EpisodeDrain | None = None) -> None:
+        self.bus = bus
         self.weights = weights
         self.worker_id = worker_id
         self.report_s = report_s
         self.on_failed_load = on_failed_load
+        self.episode_drain = episode_drain or EpisodeDrain(None)
         self.target = weights.serving
         """The newest version this worker was told of."""
         self.state = WorkerPolicyState.SERVING
         self.error = ""
-        self._policy: KeyValue | None = None
-        self._reports: KeyValue | None = None
+        self.last_episode_drain_s: float | None = None
+        """Seconds the last ``drain`` swap waited for the env workers' episodes."""
+        self._started = False
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
         """Load the announced version if it is newer than the start weights (before the worker serves), report,
         then follow announcements and report periodically."""
-        self._policy = await self.js.key_value(POLICY_BUCKET)
-        self._reports = await self.js.key_value(POLICY_WORKERS_BUCKET)
-        newer = [a for a in await self._announced() if a.version > self.weights.serving]
+        self._started = True
+        newer = [a for a in await self.bus.announced() if a.version > self.weights.serving]
         if newer:
             await self._load_newest(newer)
         await self.report()
-        self._tasks = [asyncio.create_task(self._follow(), name="policy-follow"),
+        self._tasks = [asyncio.create_task(self.bus.follow(self.apply, self._stopped), name="policy-follow"),
                        asyncio.create_task(self._report_forever(), name="policy-report")]
 
     async def stop(self) -> None:
@@ -181,14 +203,16 @@ class PolicyFollower:
         if announcement.version == self.target and self.state is WorkerPolicyState.FAILED:
             return  # refused already (a replayed announcement): wait for a newer one
         old = self.weights.serving
-        self.target, self.state, self.error = announcement.version, WorkerPolicyState.LOADING, ""
-        await self.report()
-        log.info("weights.swap", version=announcement.version, mode=str(announcement.mode),
-                 checkpoint=announcement.checkpoint, serving=old)
         try:
+            if announcement.mode is SwapMode.DRAIN:
+                await self._drain_episodes(announcement)
+            self.target, self.state, self.error = announcement.version, WorkerPolicyState.LOADING, ""
+            await self.report()
+            log.info("weights.swap", version=announcement.version, mode=str(announcement.mode),
+                     checkpoint=announcement.checkpoint, serving=old)
             await self.weights.swap(announcement.version, announcement.checkpoint, announcement.mode)
         except WeightsRefused as exc:
-            self.state, self.error = WorkerPolicyState.FAILED, str(exc)
+            self.target, self.state, self.error = announcement.version, WorkerPolicyState.FAILED, str(exc)
             log.warning("weights.refused", version=announcement.version, error=str(exc), serving=old)
             await self.report()
             return
@@ -200,6 +224,36 @@ class PolicyFollower:
         self.state = WorkerPolicyState.SERVING
         log.info("weights.serving", version=self.weights.serving, swap_s=round(self.weights.last_swap_s or 0, 3))
         await self.report()
+
+    async def _drain_episodes(self, announcement: PolicyAnnouncement) -> None:
+        """Before a ``drain`` swap: check the checkpoint, then serve on until every live env worker has drained
+        for the version (bounded; see the module docstring). ``WeightsRefused`` for a refused checkpoint."""
+        drain = self.episode_drain
+        version = announcement.version
+        self.target, self.state, self.error = version, WorkerPolicyState.ANNOUNCED, ""
+        if drain.precheck is not None:
+            await drain.precheck(announcement.checkpoint)
+        if drain.episodes is None or drain.timeout_s <= 0:
+            return
+        await self.report()
+        episodes = drain.episodes
+        began = time.monotonic()
+        waiting = envs_not_drained(episodes.live(), version)
+        if waiting:
+            log.info("weights.episode_drain", version=version, waiting_for=waiting, timeout_s=drain.timeout_s)
+        drained = await episodes.wait_until(lambda live: not envs_not_drained(live, version), drain.timeout_s)
+        self.last_episode_drain_s = waited = time.monotonic() - began
+        if drain.on_waited is not None:
+            drain.on_waited(waited)
+        if drained:
+            log.info("weights.episodes_drained", version=version, waited_s=round(waited, 3),
+                     env_workers=len(episodes.live()))
+            return
+        log.warning("weights.episode_drain_timeout", version=version, timeout_s=drain.timeout_s,
+                    waiting_for=envs_not_drained(episodes.live(), version),
+                    action="turn-level drain: episodes still running span the two versions")
+        if drain.on_timeout is not None:
+            drain.on_timeout()
 
     async def _load_newest(self, newer: list[PolicyAnnouncement]) -> None:
         """At start: serve the newest announced version that loads (the current one, unless it is refused: then
@@ -238,49 +292,8 @@ class PolicyFollower:
 
     async def report(self, report: WorkerPolicyReport | None = None) -> None:
         """Put a report (this worker's current one by default); a lost report is repaired by the next."""
-        if self._reports is None:
-            return
-        value = orjson.dumps((report or self.current_report()).model_dump(mode="json"))
-        try:
-            await self._reports.put(self.worker_id, value)
-        except Exception as exc:  # nats-py errors share no base class; the periodic report follows
-            log.warning("weights.report_failed", error=str(exc))
-
-    async def _announced(self) -> list[PolicyAnnouncement]:
-        """The announcements the bucket still holds, oldest first (``BUCKET_HISTORY``)."""
-        assert self._policy is not None
-        try:
-            entries = await self._policy.history(POLICY_KEY)
-        except (KeyNotFoundError, NoKeysError):
-            return []
-        parsed = [_parse(e.value) for e in entries if e.value]
-        return sorted((a for a in parsed if a is not None), key=lambda a: a.version)
-
-    async def _follow(self) -> None:
-        assert self._policy is not None
-        while not self._stopped.is_set():
-            try:
-                watcher = await self._policy.watch(POLICY_KEY)
-                try:
-                    while not self._stopped.is_set():
-                        try:
-                            entry = await watcher.updates(timeout=1.0)
-                        except TimeoutError:
-                            continue
-                        if entry is None or entry.value is None:
-                            continue
-                        announcement = _parse(entry.value)
-                        if announcement is not None:
-                            await self.apply(announcement)
-                finally:
-                    with contextlib.suppress(Exception):
-                        await watcher.stop()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a lost watch (NATS restarting): watch again, it replays the current value
-                log.warning("weights.watch_lost", error=f"{type(exc).__name__}: {exc}")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopped.wait(), 1.0)
+        if self._started:
+            await self.bus.put(POLICY_WORKERS_BUCKET, self.worker_id, report or self.current_report())
 
     async def _report_forever(self) -> None:
         while not self._stopped.is_set():
@@ -288,11 +301,3 @@ class PolicyFollower:
                 await asyncio.wait_for(self._stopped.wait(), self.report_s)
             if not self._stopped.is_set():
                 await self.report()
-
-
-def _parse(value: bytes | None) -> PolicyAnnouncement | None:
-    try:
-        return read_value(PolicyAnnouncement, value)
-    except SchemaError as exc:
-        log.warning("weights.bad_announcement", error=str(exc))
-        return None

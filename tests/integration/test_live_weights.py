@@ -1,6 +1,8 @@
 """Live policy updates through the whole pipeline (issue 15, part 2) on the fake engine, as real processes: a trainer
 announces versions while a batch runs; the inference worker swaps its engine's weights without a restart (drain,
-then abort), every turn records the version that generated it, a checkpoint of another architecture is refused
+then abort), every turn records the version that generated it, drain gives no episode spanning the two versions
+(the env worker starts no new episode until the new version serves, the inference worker swaps once the running
+ones finished), abort gives mixed episodes recorded per turn, a checkpoint of another architecture is refused
 while the old version keeps serving, a worker started later serves the current version, and a worker killed during
 a load comes back serving it. The real engine's swap (vLLM reloading weights) has its e2e test in tests/e2e."""
 
@@ -43,12 +45,12 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
                                               tmp_path: Path) -> None:
     inf = stack.start("inference-worker", name="inf-a", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="0.2",
                       ROLLOUT_FAKE_LOAD_S="0.5", ROLLOUT_POLICY_REPORT_S="1")
-    stack.start("env-worker", ROLLOUT_CONCURRENCY="16")
+    env = stack.start("env-worker", ROLLOUT_CONCURRENCY="8", ROLLOUT_POLICY_REPORT_S="1")
     stack.start("recorder")
     url = stack.start("scheduler").url
     assert _until_state(url, "inf-a", 0, "serving", timeout_s=10)["serving"] == 0  # reports are eventual
     r = httpx.post(f"{url}/v1/batches", timeout=30, json={
-        "env": "fixed-turns", "tasks": [{"turns": 14}] * 8, "group_size": 2, "max_turns": 14,
+        "env": "fixed-turns", "tasks": [{"turns": 6}] * 24, "group_size": 2, "max_turns": 6,
         "sampling": {"max_tokens": 8}})
     assert r.status_code == 201, r.text
     batch_id = r.json()["batch_id"]
@@ -60,6 +62,8 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
         swapped_1 = time.time()
         wait_for(lambda: sql.scalar("select count(*) from turns where weight_version = 1") >= 24, 60,
                  "turns on version 1")
+        wait_for(lambda: sql.scalar("select count(*) from trajectories where action_versions <@ array[1]"), 60,
+                 "an episode wholly on version 1")
         _announce(url, 2, checkpoint(model_dir, tmp_path / "v2"), "abort")
         _until_state(url, "inf-a", 2, "serving")
         _announce(url, 3, checkpoint(model_dir, tmp_path / "v3", vocab_size=7), "drain")
@@ -72,7 +76,7 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
         wait_for(done, 120, "the batch")
         statuses = {r["status"] for r in sql.rows("select distinct status from episodes")}
         assert statuses == {"completed"}, statuses
-        assert check_token_exact(sql, batch_id) == 16
+        assert check_token_exact(sql, batch_id) == 48
         versions = {r["v"] for r in sql.rows("select distinct weight_version as v from turns where not superseded")}
         assert versions == {0, 1, 2}, "every turn carries the version that generated it; 3 was refused"
         late = sql.scalar("select count(*) from turns where produced_at > to_timestamp(:t) and weight_version < 1",
@@ -85,16 +89,28 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
         assert backwards == 0, "an episode's versions never go backwards"
         mixed = sql.scalar("select count(*) from trajectories where cardinality(array(select distinct unnest("
                            "action_versions))) > 1")
-        assert mixed > 0, "episodes that ran across a swap span versions, recorded per turn"
+        assert mixed > 0, "episodes that ran across the abort swap span versions, recorded per turn"
+        across_drain = sql.scalar("select count(*) from trajectories where action_versions @> array[0] "
+                                  "and action_versions @> array[1]")
+        assert across_drain == 0, "drain: no episode spans versions 0 and 1"
+        on_0, on_1 = (sql.scalar("select count(*) from trajectories "
+                                 "where action_versions <@ array[cast(:v as integer)]", v=v) for v in (0, 1))
+        assert on_0 > 0 and on_1 > 0, "episodes ran wholly on version 0 before the drain and on 1 after it"
         spans = sql.rows("select episode_id, min_version, max_version, version_span, mixed_versions "
                          "from v_trajectory_versions order by version_span desc")
-        assert len(spans) == 16 and sum(r["mixed_versions"] for r in spans) == mixed
+        assert len(spans) == 48 and sum(r["mixed_versions"] for r in spans) == mixed
+        assert {(r["min_version"], r["max_version"]) for r in spans if r["mixed_versions"]} == {(1, 2)}, (
+            "only the abort swap (1 -> 2) cut episodes in flight")
         widest = spans[0]
         assert widest["mixed_versions"] and widest["version_span"] == widest["max_version"] - widest["min_version"] > 0
         shown = httpx.get(f"{url}/v1/episodes/{widest['episode_id']}/trajectory", timeout=10).json()
         assert (shown["min_weight_version"], shown["max_weight_version"], shown["mixed_versions"]) == (
             widest["min_version"], widest["max_version"], True)
         assert metric(inf.url, "rollout_inference_regenerated_total") > 0, "the abort swap cut turns in flight"
+        assert metric(inf.url, "rollout_episode_drain_seconds_count") == 1, "the drain swap waited for episodes"
+        assert metric(inf.url, "rollout_episode_drain_timeouts_total") == 0
+        assert metric(env.url, "rollout_policy_pause_seconds_count") >= 1, "the env worker held episodes back"
+        assert metric(env.url, "rollout_policy_pause_timeouts_total") == 0
         assert metric(inf.url, "rollout_weight_version") == 2
         states = {(r["version"], r["state"]) for r in sql.rows(
             "select version, state from policy_worker_states where worker_id = 'inf-a'")}
