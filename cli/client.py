@@ -96,6 +96,12 @@ def print_batch(info: dict[str, Any], console: Console | None = None) -> None:
         table.add_row(status, str(n))
     console.print(table)
     console.print(f"mean reward: {info.get('mean_reward')}   trajectories: {info.get('num_trajectories')}")
+    adm = info.get("admission")
+    if adm:
+        limit = f", limit {adm['limit']}" if adm.get("limit") is not None else ""
+        console.print(f"admission: max_staleness {adm['max_staleness']}, announced version {adm['current_version']}, "
+                      f"workers serve {adm['serving_version']}, admitted {adm['admitted']}{limit}, "
+                      f"waiting {adm['waiting']}" + (f" (held: {adm['held']})" if adm.get("held") else ""))
 
 
 def check_checkpoint(path: Path) -> list[str]:

@@ -124,6 +124,11 @@ def submit(
     batch_id: str = typer.Option(None, help="client-supplied id: makes the submission idempotent"),
     window_turns: int = typer.Option(None, help="context policy: generate each turn from the system message and "
                                      "the last N turns (each turn its own sample); default: full history"),
+    max_staleness: int = typer.Option(None, help="start an episode only while the announced policy version is at "
+                                      "most k ahead of what the inference workers serve (default: the "
+                                      "deployment's ROLLOUT_MAX_STALENESS, else no bound)"),
+    episodes_per_version: int = typer.Option(None, help="with a staleness bound: admit at most "
+                                             "(versions pushed since submission + k + 1) x this many episodes"),
     url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
     token: str = typer.Option(None, envvar="ROLLOUT_API_TOKEN", help="bearer token, if the scheduler wants one"),
     wait: bool = typer.Option(True, help="show a progress bar until the batch is done"),
@@ -135,8 +140,10 @@ def submit(
     client = SchedulerClient(url, token)
     body = client.submit(env=env, tasks=tasks, group_size=group_size, max_turns=max_turns,
                          sampling={"temperature": temperature, "max_tokens": max_tokens}, batch_id=batch_id,
-                         context=None if window_turns is None else {"policy": "window", "window_turns": window_turns})
-    typer.echo(f"batch {body['batch_id']}: {body['num_episodes']} episodes")
+                         context=None if window_turns is None else {"policy": "window", "window_turns": window_turns},
+                         max_staleness=max_staleness, episodes_per_version=episodes_per_version)
+    waiting = f", {body['num_waiting']} waiting for admission" if body.get("num_waiting") else ""
+    typer.echo(f"batch {body['batch_id']}: {body['num_episodes']} episodes{waiting}")
     if wait:
         client.follow(body["batch_id"])
 

@@ -26,7 +26,8 @@ def doc_queries() -> list[str]:
 
 
 def populate(url: str) -> None:
-    """A little of everything: trajectories (one segmented), turns, steps, failures, a rescore, a cursor."""
+    """A little of everything: trajectories (one segmented), turns, steps, failures, a rescore, a cursor, policy
+    versions, an audit, a bounded batch."""
     seed_batch(url, "s1", [[Traj(reward=1.0), Traj(reward=0.0, status="truncated")],
                            [Traj(reward=0.5, segments=((4, ((3, 2),)), (6, ((2, 0),))), versions=(3, 4)),
                             Traj(reward=None, status="failed", with_trajectory=False)]], env="guess-number")
@@ -51,6 +52,9 @@ def populate(url: str) -> None:
              "VALUES (4, '/ckpt/4', 'drain', 'h')")
     run(url, "INSERT INTO policy_worker_states (version, worker_id, state, reported_at) "
              "VALUES (4, 'w1', 'serving', now())")
+    run(url, "UPDATE batches SET max_staleness = 0, episodes_per_version = 2, admission_base_version = 3 "
+             "WHERE id = 's1'")  # a bounded batch: one trajectory spans versions 3-4, beyond k = 0
+    run(url, "UPDATE episodes SET admitted_version = 3 WHERE batch_id = 's1'")
     run(url, "INSERT INTO logprob_audits (episode_id, attempt, batch_id, source, checkpoint, engine, min_version, "
              "max_version, num_tokens, mean_abs_delta, p99_abs_delta, max_abs_delta) "
              "VALUES ('s1.0.0', 1, 's1', 'audit', '/ckpt/4', 'vllm', 3, 3, 3, 1e-5, 3e-5, 4e-5)")
