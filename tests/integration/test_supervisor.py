@@ -43,7 +43,7 @@ def _service(tmp_path: Path, *, drains: bool = True,
             *(["setsid"] if setsid_child else [])]
     proc = ServiceProcess("stand-in", {}, tmp_path, command=tuple(argv)).start()
     expected = 2 + setsid_child
-    kids = wait_for(lambda: k if len(k := proc.descendants()) == expected else None, 30,
+    kids = wait_for(lambda: k if len(k := proc.descendants()) == expected else [], 30,
                     f"{expected} descendants of the stand-in service")
     return proc, kids
 

@@ -1,0 +1,337 @@
+"""Live policy updates through the whole pipeline on real vLLM (issue 15, "Tests"): a vLLM inference worker, an env
+worker, a recorder and a scheduler as real processes, on a NATS and a Postgres of this module's own (the package's
+in-process vLLM worker follows announcements on the session's NATS and would load these checkpoints into the shared
+engine). While multi-turn batches run, perturbed checkpoints (the model re-saved with its final norm scaled: every
+logit changes, no shape does) are pushed in each mode:
+
+- ``drain`` (an episode-level drain): the episodes running at the push finish on the old weights, the next ones
+  start on the new version; no episode spans two versions;
+- ``abort``: the turns in flight are cut and generated again on the new weights: episodes that span both versions
+  exist, each turn recorded with the version that generated it (never going backwards within an episode);
+- ``keep``: refused by the vLLM engine with the reason on the worker's report; the old version keeps serving;
+- a checkpoint of another architecture (``vocab_size`` changed) is refused; the old version keeps serving;
+- an inference worker SIGKILLed (with its process group: the engine core dies with it) while it loads a version
+  comes back, a new process, serving that version, and the batch completes.
+
+For every version, every kept turn's stored logprobs are transformers' under THAT version's weights (float32, the
+audit's recomputation; and not those of the version before it), and every batch is token-exact in SQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from rollout_ledger.cli.stack.servers import LocalInfra
+from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
+from rollout_ledger.services.exporter.audit import load_model, recompute
+from tests.e2e.conftest import E2E_DTYPE, ENGINE_START_TIMEOUT_S, require_vllm
+from tests.e2e.test_live_weights_vllm import perturbed
+from tests.helpers import Sql, metric, wait_for
+from tests.integration.test_pipeline import check_token_exact
+
+pytestmark = pytest.mark.e2e
+
+WORKER = "vllm-swap"
+MAX_MODEL_LEN = 2048
+TOLERANCE = 5e-4
+"""Per turn, the largest |stored vLLM logprob - transformers' under the turn's version| accepted (both float32;
+measured here: max ~2-5e-5, tests/e2e/test_pipeline_vllm.py)."""
+CHANGED = 10 * TOLERANCE
+"""Per version, the largest |Δ| against the weights of the version before it is above this: the weights changed."""
+SAMPLING = {"temperature": 1.0, "max_tokens": 8}
+LOAD_BEGINS = re.compile(r"Loading safetensors checkpoint shards:\s+0%")
+"""vLLM's progress line as it begins reading a checkpoint (at start and at each load), in the worker's log."""
+
+
+@dataclass
+class Run:
+    """The module's stack and what it has pushed so far."""
+
+    stack: Stack
+    url: str
+    sql: Sql
+    model_dir: str
+    root: Path
+    worker: ServiceProcess | None = None
+    checkpoints: dict[int, str] = field(default_factory=dict)
+    """Version -> its weights (0: the model the worker starts with)."""
+    served: list[int] = field(default_factory=lambda: [0])
+    """The versions the worker has served, in order."""
+    measured: dict[int, float] = field(default_factory=dict)
+    """Version -> the largest per-token |Δlogprob| seen on its turns."""
+    models: dict[int, Any] = field(default_factory=dict)
+    """Version -> its weights in transformers (float32), the last few used."""
+
+    def model(self, version: int) -> Any:
+        if version not in self.models:
+            while len(self.models) >= 3:
+                del self.models[next(iter(self.models))]
+            self.models[version] = load_model(self.checkpoints[version])
+        return self.models[version]
+
+    @property
+    def inf(self) -> ServiceProcess:
+        assert self.worker is not None
+        return self.worker
+
+    def start_worker(self) -> ServiceProcess:
+        self.worker = self.stack.start(
+            "inference-worker", name=WORKER, wait=False, ROLLOUT_ENGINE="vllm", ROLLOUT_VLLM_DTYPE=E2E_DTYPE,
+            ROLLOUT_VLLM_MAX_MODEL_LEN=str(MAX_MODEL_LEN), ROLLOUT_POLICY_REPORT_S="1",
+            ROLLOUT_REQUEST_TIMEOUT_S="300")
+        self.worker.wait_ready(timeout_s=ENGINE_START_TIMEOUT_S)
+        return self.worker
+
+    def report(self) -> dict[str, Any] | None:
+        for w in httpx.get(f"{self.url}/v1/policy", timeout=10).json()["workers"]:
+            if w["worker_id"] == WORKER:
+                return dict(w)
+        return None
+
+    def until_state(self, version: int, state: str, timeout_s: float = 120) -> dict[str, Any]:
+        def reached() -> dict[str, Any]:
+            w = self.report()
+            return w if w is not None and w["version"] == version and w["state"] == state else {}
+
+        return wait_for(reached, timeout_s, f"{WORKER} to report {state} for version {version}", interval_s=0.05)
+
+    def push(self, version: int, checkpoint: Path, mode: str) -> None:
+        r = httpx.post(f"{self.url}/v1/policy/versions", timeout=10,
+                       json={"version": version, "checkpoint": str(checkpoint), "mode": mode})
+        assert r.status_code == 201, r.text
+
+    def checkpoint(self, version: int, scale: float) -> Path:
+        path = perturbed(self.model_dir, self.root / f"v{version}", scale)
+        self.checkpoints[version] = str(path)
+        return path
+
+    def submit(self, tasks: list[dict[str, Any]], max_turns: int, sampling: dict[str, Any] | None = None) -> str:
+        r = httpx.post(f"{self.url}/v1/batches", timeout=30, json={
+            "env": "fixed-turns", "tasks": tasks, "group_size": 2, "max_turns": max_turns,
+            "sampling": sampling or SAMPLING})
+        assert r.status_code == 201, r.text
+        return str(r.json()["batch_id"])
+
+    def turns(self, batch_id: str) -> int:
+        return int(self.sql.scalar("select count(*) from turns t join episodes e on e.id = t.episode_id "
+                                   "where e.batch_id = :b", b=batch_id))
+
+    def wait_done(self, batch_id: str, timeout_s: float = 240) -> None:
+        def done() -> bool:
+            return bool(httpx.get(f"{self.url}/v1/batches/{batch_id}", timeout=10).json()["done"])
+
+        wait_for(done, timeout_s, f"batch {batch_id} to finish", interval_s=0.25)
+        statuses = {r["status"] for r in self.sql.rows(
+            "select distinct status from episodes where batch_id = :b", b=batch_id)}
+        assert statuses == {"completed"}, statuses
+
+
+@pytest.fixture(scope="module")
+def run(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """NATS and Postgres of this module's own, migrated; the four services as processes, vLLM serving version 0."""
+    require_vllm()
+    from rollout_ledger.cli.modelstore import fetch
+    from rollout_ledger.migrations.runner import upgrade
+
+    fetch(Path(model_dir), with_weights=True)
+    root = tmp_path_factory.mktemp("swap-modes")
+    with LocalInfra(nats_url="", database_url="") as infra:
+        upgrade(infra.database_url)
+        with Stack(infra.nats_url, infra.database_url, root / "logs", env={"ROLLOUT_MODEL": model_dir}) as stack:
+            # 4 episodes at a time; patient with an inference worker that is down (restarting after a kill): a
+            # turn is tried again for ~6 minutes
+            stack.start("env-worker", ROLLOUT_MAX_MODEL_LEN=str(MAX_MODEL_LEN), ROLLOUT_CONCURRENCY="4",
+                        ROLLOUT_POLICY_REPORT_S="1", ROLLOUT_INFERENCE_MAX_TRIES="400",
+                        ROLLOUT_INFERENCE_BACKOFF_MAX_S="1")
+            stack.start("recorder")
+            url = stack.start("scheduler").url
+            sql = Sql(infra.database_url)
+            state = Run(stack, url, sql, model_dir, root, checkpoints={0: model_dir})
+            try:
+                state.start_worker()
+                assert state.until_state(0, "serving", timeout_s=30)["serving"] == 0
+                yield state
+            finally:
+                sql.close()
+                print(f"\nmax |Δlogprob| per version (vLLM vs transformers, float32): {state.measured}")
+
+
+@pytest.fixture(autouse=True)
+def logs_on_failure(run: Run, request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for proc in run.stack.procs:
+            print(f"\n===== {proc.name} (pid {proc.proc.pid if proc.proc else None}) log =====\n"
+                  f"{proc.tail_log(60)}")
+
+
+def check_versions(run: Run, batch_id: str) -> dict[int, int]:
+    """Every kept turn's version is its trajectory's action version, never lower than the turn before it in its
+    episode, and its stored logprobs are transformers' under that version's weights (and, over the version's turns,
+    not those of the version served before it). Returns the kept turns per version."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # beside the engine's threads on 2 cores: one thread is ~8x faster than two
+    try:
+        return _check_versions(run, batch_id)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_versions(run: Run, batch_id: str) -> dict[int, int]:
+    trajs = run.sql.rows("select episode_id, attempt, token_ids, logprobs, segments, action_ranges, action_versions "
+                         "from trajectories where batch_id = :b", b=batch_id)
+    counts: dict[int, int] = {}
+    apart: dict[int, float] = {}
+    for tr in trajs:
+        kept = [r["weight_version"] for r in run.sql.rows(
+            "select t.weight_version from steps s join turns t on t.event_id = s.turn_event_id "
+            "where s.episode_id = :e and s.attempt = :a and not s.superseded order by s.turn_index",
+            e=tr["episode_id"], a=tr["attempt"])]
+        assert kept == list(tr["action_versions"]), "each action range carries its turn's version"
+        assert kept == sorted(kept), f"versions go backwards within episode {tr['episode_id']}: {kept}"
+        ids = np.asarray(tr["token_ids"], dtype=np.int64)
+        segments = [list(s) for s in tr["segments"]]
+        for version in sorted(set(kept)):
+            ranges = [tr["action_ranges"][i] for i, v in enumerate(kept) if v == version]
+            positions = np.concatenate([np.arange(start, end) for start, end in ranges])
+            stored = np.asarray(tr["logprobs"], dtype=np.float64)[positions]
+            delta = np.abs(recompute(run.model(version), ids, segments, positions) - stored)
+            assert not np.isnan(delta).any(), f"a turn of {tr['episode_id']} lies outside its segments"
+            at = 0
+            for start, end in ranges:
+                gap = float(delta[at:at + end - start].max())
+                at += end - start
+                assert gap < TOLERANCE, (f"the turn at [{start}, {end}) of episode {tr['episode_id']} (version "
+                                         f"{version}): stored logprobs vs transformers under version {version}: "
+                                         f"max |Δ| {gap}")
+                run.measured[version] = max(run.measured.get(version, 0.0), gap)
+            counts[version] = counts.get(version, 0) + len(ranges)
+            before = run.served.index(version)
+            if before > 0:
+                other = recompute(run.model(run.served[before - 1]), ids, segments, positions)
+                apart[version] = max(apart.get(version, 0.0), float(np.abs(other - stored).max()))
+    for version, far in apart.items():
+        assert far > CHANGED, f"version {version}'s turns are as close to the weights of the version before: {far}"
+    return counts
+
+
+def test_drain_lets_running_episodes_finish_then_serves_the_new_version(run: Run) -> None:
+    v1 = run.checkpoint(1, 1.5)
+    batch = run.submit([{"turns": 2}] * 4, max_turns=2)  # 8 episodes, 4 at a time (the env worker's concurrency)
+    wait_for(lambda: run.turns(batch) >= 2, 120, "turns on version 0")
+    run.push(1, v1, "drain")
+    run.until_state(1, "serving")
+    swapped = time.time()
+    run.served.append(1)
+    run.wait_done(batch)
+    assert check_token_exact(run.sql, batch) == 8
+    late = run.sql.scalar("select count(*) from turns t join episodes e on e.id = t.episode_id where e.batch_id = :b "
+                          "and t.weight_version < 1 and t.produced_at > to_timestamp(:t)", b=batch, t=swapped)
+    assert late == 0, "once version 1 serves, no turn is generated on version 0"
+    counts = check_versions(run, batch)
+    assert set(counts) == {0, 1}, counts
+    spans = run.sql.rows("select episode_id, min_version, max_version from v_trajectory_versions "
+                         "where batch_id = :b and mixed_versions", b=batch)
+    assert spans == [], "drain: the episodes running at the push finish on version 0, no episode spans 0 and 1"
+
+
+def test_abort_cuts_turns_in_flight_and_generates_them_again_on_the_new_version(run: Run) -> None:
+    regenerated = metric(run.inf.url, "rollout_inference_regenerated_total")
+    v2 = run.checkpoint(2, 0.7)
+    batch = run.submit([{"turns": 3}] * 2, max_turns=3, sampling={"temperature": 1.0, "max_tokens": 16})
+    wait_for(lambda: run.turns(batch) >= 4, 120, "turns on version 1")
+    wait_for(lambda: metric(run.inf.url, "rollout_inference_inflight") > 0, 60, "generations in flight")
+    run.push(2, v2, "abort")
+    run.until_state(2, "serving")
+    run.served.append(2)
+    run.wait_done(batch)
+    assert check_token_exact(run.sql, batch) == 4
+    assert metric(run.inf.url, "rollout_inference_regenerated_total") > regenerated, \
+        "the abort cut generations in flight (generated again on version 2)"
+    counts = check_versions(run, batch)
+    assert set(counts) == {1, 2}, counts
+    spans = run.sql.rows("select min_version, max_version, version_span, mixed_versions from v_trajectory_versions "
+                         "where batch_id = :b", b=batch)
+    mixed = [s for s in spans if s["mixed_versions"]]
+    assert mixed, "episodes running across the abort swap span versions 1 and 2"
+    assert all((s["min_version"], s["max_version"], s["version_span"]) == (1, 2, 1) for s in mixed)
+
+
+def test_keep_and_a_checkpoint_of_another_architecture_are_refused_while_the_old_version_serves(
+        run: Run) -> None:
+    v3 = perturbed(run.model_dir, run.root / "v3", 1.1)
+    batch = run.submit([{"turns": 2}] * 2, max_turns=2)
+    wait_for(lambda: run.turns(batch) >= 1, 120, "turns on version 2")
+    run.push(3, v3, "keep")
+    refused = run.until_state(3, "failed")
+    assert refused["serving"] == 2 and "mode keep" in refused["error"], refused
+    bad = run.root / "v4"
+    bad.mkdir()
+    for path in Path(run.model_dir).iterdir():
+        if path.name != "config.json":
+            (bad / path.name).symlink_to(path)
+    config = json.loads((Path(run.model_dir) / "config.json").read_text())
+    config["vocab_size"] = int(config["vocab_size"]) + 64
+    (bad / "config.json").write_text(json.dumps(config))
+    run.push(4, bad, "drain")
+    refused = run.until_state(4, "failed")
+    assert refused["serving"] == 2 and "vocab_size" in refused["error"], refused
+    assert run.inf.alive and metric(run.inf.url, "rollout_weight_version") == 2
+    run.wait_done(batch)
+    assert check_token_exact(run.sql, batch) == 4
+    assert check_versions(run, batch) == {2: 8}, "every turn on version 2: neither refused version served"
+
+
+def test_a_worker_killed_while_loading_comes_back_serving_the_version(run: Run) -> None:
+    v5 = run.checkpoint(5, 1.25)
+    batch = run.submit([{"turns": 2}] * 2, max_turns=2, sampling={"temperature": 1.0, "max_tokens": 16})
+    wait_for(lambda: run.turns(batch) >= 1, 120, "turns on version 2")
+    killed = run.inf
+    loads = len(LOAD_BEGINS.findall(killed.log_path.read_text(errors="replace")))
+    run.push(5, v5, "abort")  # abort: the load begins at once
+    wait_for(lambda: len(LOAD_BEGINS.findall(killed.log_path.read_text(errors="replace"))) > loads, 60,
+             "vLLM to begin loading version 5's safetensors", interval_s=0.02)
+    engine = killed.descendants()
+    assert engine, "the vLLM worker runs its engine core as a child process"
+    killed.kill()
+    events = _events(killed)
+    assert not [e for e in events if e.get("event") == "vllm.weights_loaded" and e.get("checkpoint", "").endswith(
+        "/v5")], "killed during the load (before vLLM had loaded version 5)"
+    left = [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], f"the engine core died with its worker: {left}"
+    assert run.until_state(5, "loading", timeout_s=5)["serving"] == 2, "its last report: loading 5, serving 2"
+    again = run.start_worker()  # a new process under the same worker id: loads the announced version at start
+    assert again is not killed and again.proc is not None and killed.proc is not None
+    assert again.proc.pid != killed.proc.pid
+    assert run.until_state(5, "serving", timeout_s=30)["serving"] == 5
+    assert metric(again.url, "rollout_weight_version") == 5
+    run.served.append(5)
+    run.wait_done(batch)
+    assert check_token_exact(run.sql, batch) == 4
+    counts = check_versions(run, batch)
+    assert counts.get(5, 0) > 0 and set(counts) <= {2, 5}, counts
+
+
+def _events(proc: ServiceProcess) -> list[dict[str, Any]]:
+    """The JSON log lines of ``proc``'s log (vLLM's own lines are skipped)."""
+    events = []
+    for line in proc.log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+    return events
