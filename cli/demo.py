@@ -1,8 +1,15 @@
-"""`rollout demo` / `make demo`: the whole system on this machine, one demo run end to end, then a clean stop."""
+"""`rollout demo` / `make demo`: the whole system on this machine, one demo run end to end, then a clean stop.
+`rollout demo --rl` / `make demo-rl`: the same stack on vLLM, and the GRPO trainer example (examples/grpo/train.py)
+learning from it for a few policy versions."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +21,7 @@ from rollout_ledger.cli.client import SchedulerClient
 from rollout_ledger.cli.stack.devstack import DevStack
 from rollout_ledger.migrations.runner import sync_url
 from rollout_ledger.services.exporter.export import export_batch
+from rollout_ledger.shared.kit.settings import default_model_dir
 
 DEMO_BATCHES = (
     # env, tasks per `--num-tasks` (fraction), max_turns, max_tokens
@@ -144,3 +152,78 @@ def _print_summary(console: Console, rows: list[dict[str, Any]], wall_s: float) 
 
 def _pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+RL_TRAINER = Path(__file__).resolve().parents[1] / "examples" / "grpo" / "train.py"
+"""The trainer ``rollout demo --rl`` runs (a checkout's file: the example is not part of the installed package)."""
+
+_RL_COLUMNS = ("iteration", "version", "episodes", "mean_reward", "staleness", "gap_mean", "gap_max", "train_s",
+               "serve_s")
+
+
+def run_rl_demo(iterations: int = 6, num_tasks: int = 8, group_size: int = 4, console: Console | None = None,
+                trainer_args: tuple[str, ...] = (),
+                inspect: Callable[[DevStack, list[dict[str, Any]]], None] | None = None) -> int:
+    """Start the stack on vLLM (float32: the trainer's recomputation and the engine then agree to ~1e-5) and run
+    ``iterations`` of the GRPO trainer against it, each on ``num_tasks`` x ``group_size`` episodes; 0 when every
+    iteration ran. ``inspect`` (tests) gets the stack and the iterations' metrics before everything stops."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=160)
+    if not RL_TRAINER.is_file():
+        console.print(f"[red]the trainer example is not here ({RL_TRAINER}): run `rollout demo --rl` from a "
+                      "checkout of the repository[/red]")
+        return 2
+    t0 = time.monotonic()
+    console.print(f"[bold]Rollout Ledger closed-loop demo[/bold] — GRPO on SmolLM2-135M-Instruct, trainer and vLLM "
+                  f"on the CPU: {iterations} iterations of {num_tasks} single-digit additions x {group_size} samples")
+    extra_env = {"ROLLOUT_VLLM_DTYPE": os.environ.get("ROLLOUT_VLLM_DTYPE", "float32")}
+    code = 1
+    with DevStack(scheduler_port=None, engine="vllm", echo=console.print, extra_env=extra_env) as stack:
+        console.print(f"services up in {time.monotonic() - t0:.1f}s\n{stack.describe().rsplit(chr(10), 1)[0]}")
+        metrics = stack.infra.root / "grpo-metrics.jsonl"
+        model = os.environ.get("ROLLOUT_MODEL") or str(default_model_dir())
+        cmd = [sys.executable, str(RL_TRAINER), "--scheduler-url", stack.scheduler_url,
+               "--database-url", stack.infra.database_url, "--model", model,
+               "--out", str(stack.infra.root / "checkpoints"), "--iterations", str(iterations),
+               "--num-tasks", str(num_tasks), "--group-size", str(group_size), "--metrics-out", str(metrics),
+               *trainer_args]
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        t_train = time.monotonic()
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                console.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
+            code = proc.wait()
+        results = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        _print_rl_summary(console, results, time.monotonic() - t_train)
+        if inspect is not None:
+            inspect(stack, results)
+    ok = code == 0 and len(results) == iterations
+    verdict = "[green]ok[/green]" if ok else f"[red]the trainer stopped (exit {code})[/red]"
+    console.print(f"\n{len(results)}/{iterations} iterations: {verdict}; demo took {time.monotonic() - t0:.1f}s, "
+                  "everything stopped.")
+    return 0 if ok else 1
+
+
+def _print_rl_summary(console: Console, results: list[dict[str, Any]], wall_s: float) -> None:
+    table = Table(title="closed loop (the trainer's metrics)")
+    for col in _RL_COLUMNS:
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(*(_cell(r[c]) for c in _RL_COLUMNS))
+    console.print(table)
+    if results:
+        first, last = results[0], results[-1]
+        console.print(f"policy v{first['version']} -> v{last['pushed_version']}; mean reward "
+                      f"{first['mean_reward']:.3f} -> {last['mean_reward']:.3f}; {wall_s:.0f}s of training loop "
+                      "(generate, read through the consumer cursor, train, save, push, every worker serving)")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1e}" if abs(value) < 1e-2 and value != 0 else f"{value:.3f}" if value < 10 else f"{value:.1f}"
+    return str(value)

@@ -433,18 +433,28 @@ def envserver(
 
 @app.command()
 def demo(
-    num_tasks: int = typer.Option(4, help="tasks per environment (half as many for the tool env)"),
+    num_tasks: int = typer.Option(None, help="tasks per environment (default 4; half as many for the tool env); "
+                                             "with --rl, tasks per iteration (default 8)"),
     group_size: int = typer.Option(4, help="samples per task (a GRPO group)"),
     out: str = typer.Option("exports", help="export directory"),
     engine: str = typer.Option("vllm", envvar="ROLLOUT_ENGINE",
                                help="inference engine: vllm (the real model) or fake (zero-cost scripted)"),
+    rl: bool = typer.Option(False, "--rl", help="the closed loop instead: the GRPO trainer example "
+                                                "(examples/grpo/train.py) learns from the stack, on vLLM, pushing a "
+                                                "policy version per iteration"),
+    iterations: int = typer.Option(6, help="with --rl: training iterations (policy versions pushed)"),
 ) -> None:
-    """Bring everything up, run a demo batch end to end, print a summary and the export path, and stop."""
+    """Bring everything up, run a demo batch end to end, print a summary and the export path, and stop
+    (--rl: train SmolLM2 with GRPO against the running stack for a few policy versions)."""
     from pathlib import Path
 
-    from rollout_ledger.cli.demo import run_demo
+    from rollout_ledger.cli.demo import run_demo, run_rl_demo
 
-    raise typer.Exit(run_demo(num_tasks=num_tasks, group_size=group_size, out=Path(out), engine=engine))
+    if rl:
+        if engine != "vllm":
+            raise typer.BadParameter("the closed loop needs the real model: --engine vllm (ROLLOUT_ENGINE=vllm)")
+        raise typer.Exit(run_rl_demo(iterations=iterations, num_tasks=num_tasks or 8, group_size=group_size))
+    raise typer.Exit(run_demo(num_tasks=num_tasks or 4, group_size=group_size, out=Path(out), engine=engine))
 
 
 def main() -> None:
