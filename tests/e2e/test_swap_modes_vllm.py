@@ -253,7 +253,7 @@ def test_drain_lets_running_episodes_finish_then_serves_the_new_version(run: Run
 def test_abort_cuts_turns_in_flight_and_generates_them_again_on_the_new_version(run: Run) -> None:
     regenerated = metric(run.inf.url, "rollout_inference_regenerated_total")
     v2 = run.checkpoint(2, 0.7)
-    batch = run.submit([{"turns": 3}] * 2, max_turns=3, sampling={"temperature": 1.0, "max_tokens": 16})
+    batch = run.submit([{"turns": 3}] * 2, max_turns=3, sampling={"temperature": 1.0, "max_tokens": 32})
     wait_for(lambda: run.turns(batch) >= 4, 120, "turns on version 1")
     wait_for(lambda: metric(run.inf.url, "rollout_inference_inflight") > 0, 60, "generations in flight")
     run.push(2, v2, "abort")
