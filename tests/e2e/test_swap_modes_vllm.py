@@ -11,7 +11,9 @@ logit changes, no shape does) are pushed in each mode:
 - ``keep``: refused by the vLLM engine with the reason on the worker's report; the old version keeps serving;
 - a checkpoint of another architecture (``vocab_size`` changed) is refused; the old version keeps serving;
 - an inference worker SIGKILLed (with its process group: the engine core dies with it) while it loads a version
-  comes back, a new process, serving that version, and the batch completes.
+  comes back, a new process, serving that version, and the batch completes;
+- admission: a batch with ``max_staleness`` 0 submitted right after a push waits while the worker serves the old
+  version and starts once it serves the new one.
 
 For every version, every kept turn's stored logprobs are transformers' under THAT version's weights (float32, the
 audit's recomputation; and not those of the version before it), and every batch is token-exact in SQL.
@@ -117,12 +119,17 @@ class Run:
         self.checkpoints[version] = str(path)
         return path
 
-    def submit(self, tasks: list[dict[str, Any]], max_turns: int, sampling: dict[str, Any] | None = None) -> str:
+    def submit(self, tasks: list[dict[str, Any]], max_turns: int, sampling: dict[str, Any] | None = None,
+               **extra: Any) -> str:
+        return str(self.submitted(tasks, max_turns, sampling, **extra)["batch_id"])
+
+    def submitted(self, tasks: list[dict[str, Any]], max_turns: int, sampling: dict[str, Any] | None = None,
+                  **extra: Any) -> dict[str, Any]:
         r = httpx.post(f"{self.url}/v1/batches", timeout=30, json={
             "env": "fixed-turns", "tasks": tasks, "group_size": 2, "max_turns": max_turns,
-            "sampling": sampling or SAMPLING})
+            "sampling": sampling or SAMPLING, **extra})
         assert r.status_code == 201, r.text
-        return str(r.json()["batch_id"])
+        return dict(r.json())
 
     def turns(self, batch_id: str) -> int:
         return int(self.sql.scalar("select count(*) from turns t join episodes e on e.id = t.episode_id "
@@ -325,6 +332,33 @@ def test_a_worker_killed_while_loading_comes_back_serving_the_version(run: Run) 
     assert check_token_exact(run.sql, batch) == 4
     counts = check_versions(run, batch)
     assert counts.get(5, 0) > 0 and set(counts) <= {2, 5}, counts
+
+
+def test_admission_holds_a_bounded_batch_until_the_worker_serves_the_pushed_version(run: Run) -> None:
+    """Staleness bounded at admission on the real pipeline: a batch with max_staleness 0 submitted right after a
+    push waits (no work item) while the worker still serves the old version, and starts once it serves the new
+    one: every turn of it on the new version."""
+    current = httpx.get(f"{run.url}/v1/policy", timeout=10).json()["current"]
+    version = int(current["version"]) + 1 if current else 1
+    ckpt = run.checkpoint(version, 1.3)
+    running = run.submit([{"turns": 4}] * 2, max_turns=4)  # unbounded: its running episodes hold the drain
+    wait_for(lambda: run.turns(running) >= 2, 120, "the unbounded batch running")
+    run.push(version, ckpt, "drain")
+    created = run.submitted([{"turns": 1}] * 2, max_turns=1, max_staleness=0)
+    bounded = str(created["batch_id"])
+    assert (created["num_published"], created["num_waiting"]) == (0, 4), "held: the worker serves the old version"
+    shown = httpx.get(f"{run.url}/v1/batches/{bounded}", timeout=10).json()
+    assert shown["counts"]["waiting"] == 4
+    assert f"behind the announced {version}" in shown["admission"]["held"], shown["admission"]
+    assert run.until_state(version, "serving")["serving"] == version
+    run.served.append(version)
+    run.wait_done(bounded)
+    run.wait_done(running)
+    admitted = {r["v"] for r in run.sql.rows("select distinct admitted_version as v from episodes "
+                                             "where batch_id = :b", b=bounded)}
+    assert admitted == {version}, "released by the version's advance"
+    assert check_token_exact(run.sql, bounded) == 4
+    assert set(check_versions(run, bounded)) == {version}, "a bounded episode never started on the older weights"
 
 
 def _events(proc: ServiceProcess) -> list[dict[str, Any]]:
