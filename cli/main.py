@@ -443,6 +443,9 @@ def demo(
                                                 "(examples/grpo/train.py) learns from the stack, on vLLM, pushing a "
                                                 "policy version per iteration"),
     iterations: int = typer.Option(6, help="with --rl: training iterations (policy versions pushed)"),
+    max_staleness: int = typer.Option(None, help="with --rl: pipelined, one batch bounded at admission: generation "
+                                                 "runs at most K versions ahead of the trainer (default: a batch "
+                                                 "per iteration)"),
 ) -> None:
     """Bring everything up, run a demo batch end to end, print a summary and the export path, and stop
     (--rl: train SmolLM2 with GRPO against the running stack for a few policy versions)."""
@@ -453,7 +456,9 @@ def demo(
     if rl:
         if engine != "vllm":
             raise typer.BadParameter("the closed loop needs the real model: --engine vllm (ROLLOUT_ENGINE=vllm)")
-        raise typer.Exit(run_rl_demo(iterations=iterations, num_tasks=num_tasks or 8, group_size=group_size))
+        extra = ("--max-staleness", str(max_staleness)) if max_staleness is not None else ()
+        raise typer.Exit(run_rl_demo(iterations=iterations, num_tasks=num_tasks or 8, group_size=group_size,
+                                     trainer_args=extra))
     raise typer.Exit(run_demo(num_tasks=num_tasks or 4, group_size=group_size, out=Path(out), engine=engine))
 
 

@@ -3,10 +3,16 @@
 Each iteration:
 
 1. submits a batch through the REST API (``--num-tasks`` single-digit additions with explicit operands, each
-   sampled ``--group-size`` times: one GRPO group per task; ``--max-staleness K`` sends ``"max_staleness": K``);
+   sampled ``--group-size`` times: one GRPO group per task);
 2. waits for it and reads exactly that batch's new complete groups through the consumer cursor (the Python
    ``TrajectoryReader``, a named consumer: each trajectory is delivered once), with GRPO advantages computed by the
    exporter (``services/exporter/advantages.py``);
+
+   With ``--max-staleness K`` (pipelined) it instead submits ONE batch for the whole run, bounded at admission
+   (``max_staleness`` K, ``episodes_per_version`` one iteration's episodes): the scheduler starts the next
+   iteration's episodes while the trainer trains, at most K versions ahead of it, and each iteration reads the
+   next ``--num-tasks`` complete groups through the cursor. The truncated importance weight of step 4 corrects
+   for the tokens sampled by older weights;
 3. recomputes every sampled token's logprob with the trainer's current weights (transformers, float32; only the
    sampled positions go through the vocabulary projection) and records the trainer-vs-inference gap of the
    trajectories sampled by those very weights in ``logprob_audits`` (``source = 'trainer'``);
@@ -89,7 +95,11 @@ class Config:
     """C: the truncated importance weight min(exp(trainer_old - inference), C)."""
     max_grad_norm: float = 1.0
     max_staleness: int | None = None
-    """Sent as the batch's ``max_staleness`` when set (admission bound, scheduler side)."""
+    """Set: the pipelined mode. ONE batch for the whole run, bounded at admission with ``max_staleness`` k and
+    ``episodes_per_version`` = ``num_tasks`` x ``group_size``: the scheduler lets generation run at most k versions
+    ahead of the trainer (k = 0: each step's episodes start once the workers serve the version the trainer just
+    pushed), and each iteration reads the next ``num_tasks`` complete groups through the cursor. Unset: one batch
+    per iteration, submitted once every worker serves the trainer's weights (always on-policy)."""
     mode: str = "drain"
     consumer: str = ""
     """The cursor's consumer name; default grpo-<run id>."""
@@ -275,6 +285,8 @@ class Trainer:
         self.reader = TrajectoryReader(config.database_url, consumer=config.consumer or f"grpo-{self.run_id}",
                                        selection=self.selection, fmt="full", start="latest")
         self.saved: list[Path] = []
+        self.stream: str | None = None
+        """The pipelined mode's one batch (``max_staleness`` set)."""
 
     def close(self) -> None:
         self.reader.close()
@@ -299,9 +311,22 @@ class Trainer:
             "sampling": {"temperature": self.cfg.temperature, "max_tokens": self.cfg.max_tokens},
             "metadata": {"trainer": f"grpo-{self.run_id}", "iteration": iteration, "policy_version": self.version},
         }
-        if self.cfg.max_staleness is not None:
-            body["max_staleness"] = self.cfg.max_staleness
         created: dict[str, Any] = self._call("POST", "/v1/batches", json=body)
+        return created
+
+    def submit_stream(self) -> dict[str, Any]:
+        """The pipelined mode's one batch: every iteration's tasks, admitted ``num_tasks`` groups per version."""
+        k = self.cfg.max_staleness
+        body: dict[str, Any] = {
+            "env": ENV, "tasks": addition_tasks(self.rng, self.cfg.num_tasks * self.cfg.iterations),
+            "group_size": self.cfg.group_size, "max_turns": 1, "batch_id": f"grpo-{self.run_id}",
+            "sampling": {"temperature": self.cfg.temperature, "max_tokens": self.cfg.max_tokens},
+            "max_staleness": k, "episodes_per_version": self.cfg.num_tasks * self.cfg.group_size,
+            "metadata": {"trainer": f"grpo-{self.run_id}", "policy_version": self.version},
+        }
+        created: dict[str, Any] = self._call("POST", "/v1/batches", json=body)
+        self.echo(f"batch {created['batch_id']}: {created['num_episodes']} episodes, max_staleness {k}: "
+                  f"{created['num_published']} admitted now, {created['num_waiting']} waiting for the trainer")
         return created
 
     def wait_batch(self, batch_id: str) -> dict[str, Any]:
@@ -341,13 +366,18 @@ class Trainer:
 
     # --- the ledger ----------------------------------------------------------------------------------------------
 
-    def read(self, batch_id: str, expected: int) -> list[Trajectory]:
-        """The batch's complete groups through the consumer cursor (acknowledged as read)."""
+    def read(self, batch_id: str, expected: int, groups: int | None = None) -> list[Trajectory]:
+        """The batch's complete groups through the consumer cursor (acknowledged as read): ``expected``
+        trajectories, or with ``groups`` exactly that many groups (one feed entry a read: a complete group is
+        delivered whole with the entry of its last member, so no read takes more than one group)."""
         self.reader.sel = dataclasses.replace(self.selection, batch_ids=(batch_id,))
+        if groups is not None:
+            self.reader.batch_size = 1
         out: list[Trajectory] = []
         delivered = 0
+        seen: set[str] = set()
         deadline = time.monotonic() + self.cfg.timeout_s
-        while delivered < expected:
+        while (delivered < expected) if groups is None else (len(seen) < groups):
             batch = self.reader.next_batch()
             if batch is None:
                 if time.monotonic() > deadline:
@@ -358,6 +388,7 @@ class Trainer:
                 continue
             cols = batch.numpy()
             delivered += len(batch)
+            seen.update(str(g) for g in cols["group_id"])
             for i in range(len(batch)):
                 mask = np.asarray(cols["loss_mask"][i])
                 positions = np.flatnonzero(mask == 1)
@@ -493,10 +524,16 @@ class Trainer:
 
     def iteration(self, n: int) -> IterationResult:
         began = time.monotonic()
-        created = self.submit(n)
-        batch_id = created["batch_id"]
-        info = self.wait_batch(batch_id)
-        trajectories = self.read(batch_id, int(info["num_trajectories"]))
+        if self.stream is not None:  # pipelined: the next groups of the one batch, admitted by the scheduler
+            batch_id = self.stream
+            episodes = self.cfg.num_tasks * self.cfg.group_size
+            trajectories = self.read(batch_id, episodes, groups=self.cfg.num_tasks)
+        else:
+            created = self.submit(n)
+            batch_id = created["batch_id"]
+            episodes = int(created["num_episodes"])
+            info = self.wait_batch(batch_id)
+            trajectories = self.read(batch_id, int(info["num_trajectories"]))
         generated = time.monotonic()
         if not trajectories:
             raise TrainerError(f"batch {batch_id} gave no trajectory to train on: {info['counts']}")
@@ -505,7 +542,7 @@ class Trainer:
         versions = sorted({int(v) for t in trajectories for v in t.versions.tolist()})
         rewards = [t.reward for t in trajectories]
         result = IterationResult(
-            iteration=n, batch_id=batch_id, version=self.version, episodes=int(created["num_episodes"]),
+            iteration=n, batch_id=batch_id, version=self.version, episodes=episodes,
             trajectories=len(trajectories), mean_reward=float(np.mean(rewards)), token_versions=versions,
             staleness=self.version - min(versions), pushed_version=self.version + 1, checkpoint="",
             generate_s=generated - began, train_s=trained - generated, save_s=0.0, serve_s=0.0, iteration_s=0.0,
@@ -526,6 +563,8 @@ class Trainer:
 
     def run(self, on_iteration: Callable[[IterationResult], None] | None = None) -> list[IterationResult]:
         self.wait_serving(self.version)
+        if self.cfg.max_staleness is not None:
+            self.stream = str(self.submit_stream()["batch_id"])
         results: list[IterationResult] = []
         for n in range(1, self.cfg.iterations + 1):
             result = self.iteration(n)
@@ -567,7 +606,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     for name in ("temperature", "lr", "clip_eps", "is_cap", "max_grad_norm", "timeout_s"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
     p.add_argument("--max-staleness", type=int, default=None,
-                   help="send max_staleness K with each batch (admission bound; unset: the deployment's default)")
+                   help="pipelined: one batch bounded at admission, generation at most K versions ahead of the "
+                        "trainer (unset: a batch per iteration, on-policy)")
     p.add_argument("--mode", default=defaults.mode, choices=("drain", "abort"))
     p.add_argument("--consumer", default="", help="consumer cursor name (default grpo-<run id>)")
     p.add_argument("--metrics-out", default="", help="append one JSON line per iteration to this file")
