@@ -45,11 +45,12 @@ from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode
 from rollout_ledger.services.scheduler.policy import worker_reports
 from rollout_ledger.shared.db import episodes
-from rollout_ledger.shared.errors import BusError, SchemaError, StoreError
+from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.events import ContextPolicy, SamplingParams
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.policy_bus import parse_announcement
 from rollout_ledger.shared.lifecycle import EpisodeStatus, allowed_sources
-from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, read_value
+from rollout_ledger.shared.policy import WorkerPolicyReport
 from rollout_ledger.shared.subjects import POLICY_KEY
 
 log = get_logger(__name__)
@@ -131,11 +132,7 @@ async def read_versions(policy_kv: KeyValue, workers_kv: KeyValue) -> Versions:
         entry = None
     except Exception as exc:  # nats-py timeouts and connection errors share no base class
         raise BusError(f"cannot read the announced policy version: {exc}") from exc
-    announcement: PolicyAnnouncement | None = None
-    try:
-        announcement = read_value(PolicyAnnouncement, entry.value if entry is not None else None)
-    except SchemaError as exc:
-        log.warning("admission.bad_announcement", error=str(exc))
+    announcement = parse_announcement(entry.value if entry is not None else None)
     return Versions.of(announcement.version if announcement else None, await worker_reports(workers_kv))
 
 
