@@ -54,6 +54,7 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.recorder_copy
 	$(BIN)/python -m bench.stream_decode
 	$(BIN)/python -m bench.live_update
+	$(BIN)/python -m bench.live_update --workload episodes
 
 clean:
 	rm -rf .build .pytest_cache .mypy_cache .ruff_cache exports
