@@ -64,6 +64,10 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
                  "turns on version 1")
         wait_for(lambda: sql.scalar("select count(*) from trajectories where action_versions <@ array[1]"), 60,
                  "an episode wholly on version 1")
+        wait_for(lambda: sql.scalar("select count(*) from episodes e where e.status = 'running' and exists (select "
+                                    "from turns t where t.episode_id = e.id and t.weight_version = 1 "
+                                    "and t.turn_index between 1 and 3)"), 60,
+                 "episodes in the middle of their turns on version 1 (the abort cuts them)")
         _announce(url, 2, checkpoint(model_dir, tmp_path / "v2"), "abort")
         _until_state(url, "inf-a", 2, "serving")
         _announce(url, 3, checkpoint(model_dir, tmp_path / "v3", vocab_size=7), "drain")
