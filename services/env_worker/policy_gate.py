@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.kit.policy_bus import RECHECK_S, PolicyBus, ReportMirror
+from rollout_ledger.shared.kit.policy_bus import RECHECK_S, PolicyBus, ReportMirror, every
 from rollout_ledger.shared.policy import (
     EnvPolicyReport,
     EnvPolicyState,
@@ -225,8 +225,4 @@ class EpisodeGate:
             await self.bus.put(POLICY_ENV_BUCKET, self.worker_id, self.current_report())
 
     async def _report_forever(self) -> None:
-        while not self._stopped.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), self.report_s)
-            if not self._stopped.is_set():
-                await self.report()
+        await every(self.report_s, self._stopped, self.report)

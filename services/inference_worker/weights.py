@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from rollout_ledger.services.inference_worker.checkpoints import WeightsRefused
 from rollout_ledger.services.inference_worker.engine import Engine
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.kit.policy_bus import PolicyBus, ReportMirror
+from rollout_ledger.shared.kit.policy_bus import PolicyBus, ReportMirror, every
 from rollout_ledger.shared.policy import (
     EnvPolicyReport,
     PolicyAnnouncement,
@@ -296,8 +296,4 @@ class PolicyFollower:
             await self.bus.put(POLICY_WORKERS_BUCKET, self.worker_id, report or self.current_report())
 
     async def _report_forever(self) -> None:
-        while not self._stopped.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), self.report_s)
-            if not self._stopped.is_set():
-                await self.report()
+        await every(self.report_s, self._stopped, self.report)

@@ -29,6 +29,7 @@ from rollout_ledger.services.scheduler.store import store_errors
 from rollout_ledger.shared.db import policy_versions, policy_worker_states, row_dict
 from rollout_ledger.shared.errors import BusError, SchemaError
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.policy_bus import parse_announcement
 from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState, read_value
 from rollout_ledger.shared.subjects import POLICY_KEY
 
@@ -93,7 +94,7 @@ async def announce(kv: KeyValue, announcement: PolicyAnnouncement, tries: int = 
                 entry = await kv.get(POLICY_KEY)
             except KeyNotFoundError:
                 entry = None
-            current = _parse_announcement(entry.value if entry is not None else None)
+            current = parse_announcement(entry.value if entry is not None else None)
             if current is not None and current.version > announcement.version:
                 return False
             if current is not None and current.version == announcement.version:
@@ -108,14 +109,6 @@ async def announce(kv: KeyValue, announcement: PolicyAnnouncement, tries: int = 
         except Exception as exc:  # nats-py timeouts and connection errors share no base class
             raise BusError(f"cannot announce policy version {announcement.version}: {exc}") from exc
     raise BusError(f"cannot announce policy version {announcement.version}: the current version kept changing")
-
-
-def _parse_announcement(value: bytes | None) -> PolicyAnnouncement | None:
-    try:
-        return read_value(PolicyAnnouncement, value)
-    except SchemaError as exc:
-        log.warning("policy.bad_announcement", error=str(exc))
-        return None
 
 
 async def current_version(conn: AsyncConnection) -> dict[str, Any] | None:

@@ -46,6 +46,15 @@ def parse_announcement(value: bytes | None) -> PolicyAnnouncement | None:
         return None
 
 
+async def every(period_s: float, stopped: asyncio.Event, action: Callable[[], Awaitable[None]]) -> None:
+    """Until ``stopped``: ``action`` every ``period_s`` seconds (a worker's periodic report)."""
+    while not stopped.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), period_s)
+        if not stopped.is_set():
+            await action()
+
+
 class PolicyBus:
     """The policy buckets of one process (opened on first use)."""
 
