@@ -188,6 +188,8 @@ class PolicyFollower:
                        asyncio.create_task(self._report_forever(), name="policy-report")]
 
     async def stop(self) -> None:
+        """Stop following and take this worker's report out of ``rl_policy_workers``: a worker that stopped serves
+        nothing, so admission and the env workers' drain must not count its version until the report expires."""
         self._stopped.set()
         for task in self._tasks:
             task.cancel()
@@ -195,6 +197,8 @@ class PolicyFollower:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self._started:
+            await self.bus.delete(POLICY_WORKERS_BUCKET, self.worker_id)
 
     async def apply(self, announcement: PolicyAnnouncement) -> None:
         """Swap to ``announcement`` if it is newer than what serves; report every step."""

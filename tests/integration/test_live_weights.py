@@ -138,5 +138,11 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
                             ROLLOUT_POLICY_REPORT_S="1")
         assert _until_state(url, "inf-c", 4, "serving", timeout_s=10)["serving"] == 4
         assert metric(again.url, "rollout_weight_version") == 4
+
+        # a worker that stops (SIGTERM, drained) takes its report with it: admission and the env workers' drain do
+        # not count a version nobody serves any more until the bucket's TTL would expire it
+        assert _worker(url, "inf-b") is not None
+        assert late_worker.stop() == 0
+        assert _worker(url, "inf-b") is None, "the stopped worker's report is gone at once"
     finally:
         sql.close()
