@@ -50,7 +50,9 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
     url = stack.start("scheduler").url
     assert _until_state(url, "inf-a", 0, "serving", timeout_s=10)["serving"] == 0  # reports are eventual
     r = httpx.post(f"{url}/v1/batches", timeout=30, json={
-        "env": "fixed-turns", "tasks": [{"turns": 6}] * 24, "group_size": 2, "max_turns": 6,
+        # 12 turns: an episode seen mid-way through the recorder (which lags the workers under load) still has
+        # turns to generate when the abort lands
+        "env": "fixed-turns", "tasks": [{"turns": 12}] * 24, "group_size": 2, "max_turns": 12,
         "sampling": {"max_tokens": 8}})
     assert r.status_code == 201, r.text
     batch_id = r.json()["batch_id"]
