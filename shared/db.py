@@ -38,6 +38,14 @@ from rollout_ledger.shared.errors import SchemaVersionError, StoreError
 metadata = MetaData()
 
 INT4_ARRAY = ARRAY(Integer, dimensions=1)
+
+
+def _finite_reward(table: str, col: str) -> CheckConstraint:
+    """A reward column refuses NaN and +/-Infinity (migration 0011; Postgres orders NaN equal to itself)."""
+    return CheckConstraint(f"{col} IS NULL OR {col} NOT IN ('NaN'::float8, 'Infinity'::float8, '-Infinity'::float8)",
+                           name=f"ck_{table}_{col}_finite")
+
+
 REAL_ARRAY = ARRAY(REAL, dimensions=1)
 
 batches = Table(
@@ -94,6 +102,7 @@ episodes = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("admitted_version", Integer,
            comment="the announced version when admission let the episode start (null: not bounded)"),
+    _finite_reward("episodes", "reward"),
     Index("ix_episodes_batch_status", "batch_id", "status"),
     Index("ix_episodes_waiting", "batch_id", postgresql_where=text("status = 'waiting'")),
     Index("ix_episodes_group", "group_id"),
@@ -103,7 +112,8 @@ turns = Table(
     "turns",
     metadata,
     Column("event_id", String(256), primary_key=True, comment="= request id; unique per try"),
-    Column("episode_id", String(128), nullable=False),
+    Column("episode_id", String(128), ForeignKey("episodes.id", ondelete="CASCADE", name="fk_turns_episode"),
+           nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("turn_index", Integer, nullable=False),
     Column("prompt_len", Integer, nullable=False),
@@ -127,7 +137,8 @@ steps = Table(
     "steps",
     metadata,
     Column("event_id", String(256), primary_key=True),
-    Column("episode_id", String(128), nullable=False),
+    Column("episode_id", String(128), ForeignKey("episodes.id", ondelete="CASCADE", name="fk_steps_episode"),
+           nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("turn_index", Integer, nullable=False),
     Column("turn_event_id", String(256), nullable=False, comment="the turn whose ids were kept"),
@@ -145,6 +156,7 @@ steps = Table(
     Column("superseded", Boolean, nullable=False, server_default=text("false")),
     Column("produced_at", DateTime(timezone=True), nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    _finite_reward("steps", "reward"),
     Index("ix_steps_episode", "episode_id", "attempt", "turn_index"),
 )
 
@@ -189,6 +201,7 @@ trajectories = Table(
                     name="ck_trajectories_sampled_logprobs_le"),
     CheckConstraint("cardinality(action_versions) = coalesce(array_length(action_ranges, 1), 0)",
                     name="ck_trajectories_action_versions"),
+    _finite_reward("trajectories", "reward"),
     Index("ix_trajectories_batch", "batch_id"),
     Index("ix_trajectories_group", "group_id"),
 )
@@ -198,7 +211,8 @@ attempt_failures = Table(
     metadata,
     Column("id", BigInteger, primary_key=True, autoincrement=True),
     Column("event_id", String(256), nullable=False, unique=True, comment="the EpisodeFailed event"),
-    Column("episode_id", String(128), nullable=False),
+    Column("episode_id", String(128),
+           ForeignKey("episodes.id", ondelete="CASCADE", name="fk_attempt_failures_episode"), nullable=False),
     Column("batch_id", String(128), nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("failure_class", String(16), nullable=False, comment="infra | inference | env | agent | timeout"),
@@ -225,7 +239,7 @@ dead_letters = Table(
 )
 
 
-SCHEMA_REVISION = "0010"
+SCHEMA_REVISION = "0011"
 """The Alembic revision these tables describe and this code expects: the newest file in migrations/versions
 (tests/unit/test_schema_revision.py fails when a migration is added without moving it)."""
 
