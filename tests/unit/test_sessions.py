@@ -274,9 +274,10 @@ async def served(tok: ChatTokenizer) -> AsyncIterator[Served]:
     registry = SessionRegistry("SmolLM2-135M-Instruct")
     registry.base_url = "http://sessions"
     session = AgentSession(episode, TurnTemplate(tok), registry.model_name)
-    registry.open("e", session)
+    secret = registry.open("e", session)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=session_app(registry)))
-    client = openai.AsyncOpenAI(base_url=registry.url("e"), api_key="k", http_client=cast(Any, http), max_retries=0)
+    client = openai.AsyncOpenAI(base_url=registry.url("e"), api_key=secret, http_client=cast(Any, http),
+                                max_retries=0)
     yield Served(episode, session, client, registry)
     await client.close()
 
@@ -361,6 +362,42 @@ async def test_errors_come_back_in_the_openai_shape(served: Served) -> None:
     assert served.session.ending is not None and served.session.ending.reason == "max_turns"
 
 
+async def test_a_call_without_the_sessions_own_key_is_a_401_and_stores_nothing(
+        live: Callable[[dict[str, list[str]]], Live]) -> None:
+    served = live({"a": ["Hello from A.", "Bye."], "b": ["Hello from B.", "Bye."]})
+    assert served.secrets["a"] != served.secrets["b"]
+    msgs: Any = [{"role": "user", "content": "Hi"}]
+    own_a = served.client("a")
+    assert (await own_a.chat.completions.create(model="p", messages=msgs)).choices[0].message.content == \
+        "Hello from A."
+    # A's key on B's path, a made-up key and no key at all: 401 in the OpenAI shape, B's episode untouched
+    for key in (served.secrets["a"], "sess-guessed"):
+        foreign = served.client("b", api_key=key)
+        with pytest.raises(openai.AuthenticationError) as denied:
+            await foreign.chat.completions.create(model="p", messages=msgs)
+        assert denied.value.status_code == 401 and denied.value.code == "invalid_api_key"
+        assert isinstance(denied.value.body, dict) and "api_key" in denied.value.body["message"]
+        with pytest.raises(openai.AuthenticationError):
+            await foreign.models.list()
+        await foreign.close()
+    async with httpx.AsyncClient() as raw:
+        bare = await raw.post(served.registry.url("b") + "/chat/completions", json={"model": "p", "messages": msgs})
+        assert bare.status_code == 401 and bare.json()["error"]["type"] == "invalid_request_error"
+    assert served.episodes["b"].requests == [] and served.episodes["b"].steps == []
+    assert served.sessions["b"].turns == 0
+    # B's own agent still works, and A's episode got exactly its own call
+    own_b = served.client("b")
+    assert (await own_b.chat.completions.create(model="p", messages=msgs)).choices[0].message.content == \
+        "Hello from B."
+    assert len(served.episodes["a"].requests) == 1 and len(served.episodes["b"].requests) == 1
+    # a closed session's key is refused with the rest of it
+    served.registry.close("a")
+    with pytest.raises(openai.NotFoundError):
+        await own_a.chat.completions.create(model="p", messages=msgs)
+    await own_a.close()
+    await own_b.close()
+
+
 async def test_an_inference_failure_is_a_503_and_ends_the_session(served: Served) -> None:
     served.episode.fail = True
     with pytest.raises(openai.InternalServerError) as err:
@@ -409,9 +446,11 @@ class Live:
     registry: SessionRegistry
     episodes: dict[str, ScriptedEpisode]
     sessions: dict[str, AgentSession]
+    secrets: dict[str, str]
 
-    def client(self, episode_id: str) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.registry.url(episode_id), api_key="k", max_retries=0)
+    def client(self, episode_id: str, api_key: str | None = None) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.registry.url(episode_id), max_retries=0,
+                                  api_key=self.secrets[episode_id] if api_key is None else api_key)
 
 
 @pytest.fixture
@@ -427,9 +466,8 @@ async def live(tok: ChatTokenizer) -> AsyncIterator[Callable[[dict[str, list[str
         episodes = {ep: ScriptedEpisode(tok, script) for ep, script in scripts.items()}
         sessions = {ep: AgentSession(episode, TurnTemplate(tok), registry.model_name)
                     for ep, episode in episodes.items()}
-        for ep, session in sessions.items():
-            registry.open(ep, session)
-        return Live(registry, episodes, sessions)
+        keys = {ep: registry.open(ep, session) for ep, session in sessions.items()}
+        return Live(registry, episodes, sessions, keys)
 
     yield open_sessions
     await server.stop()

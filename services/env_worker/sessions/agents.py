@@ -238,8 +238,8 @@ class AgentEpisode(EpisodeDriver):
             from openai import AsyncOpenAI  # the SDK only where agents run
 
             session = AgentSession(self, self.deps.template, self.sessions.model_name)
-            self.sessions.open(self.ep, session)
-            client = AsyncOpenAI(base_url=self.sessions.url(self.ep), api_key=f"session-{self.ep}", max_retries=0,
+            secret = self.sessions.open(self.ep, session)
+            client = AsyncOpenAI(base_url=self.sessions.url(self.ep), api_key=secret, max_retries=0,
                                  timeout=self.timeout_s or None)
             result: Any = None
             error: BaseException | None = None

@@ -1,13 +1,17 @@
 """The session endpoint's HTTP app: ``/sessions/{episode_id}/v1/chat/completions`` and ``/v1/models``, and the
 registry of the sessions open in this worker.
 
-Served by the env worker on its own port (``session_port``), next to the ops server. Every error is in the
-OpenAI shape, so SDKs raise their usual ``BadRequestError`` / ``NotFoundError`` with our message (the
+Served by the env worker on its own port (``session_port``), next to the ops server. Each session has a secret of
+its own, made when it opens and handed to the agent as its client's ``api_key``: a call must carry it
+(``Authorization: Bearer <secret>``, what every OpenAI SDK sends) or it is answered 401, so nothing but the episode's
+own agent can add a turn to its trajectory. Every error is in the OpenAI shape, so SDKs raise their usual ``BadRequestError`` / ``NotFoundError`` with our message (the
 Responses API, what the OpenAI Agents SDK uses unless given its chat-completions model, is a 404 saying so).
 """
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +42,7 @@ class SessionRegistry:
         self.base_url = ""
         """``http://host:port`` of the session server (set once it is bound)."""
         self._sessions: dict[str, AgentSession] = {}
+        self._secrets: dict[str, str] = {}
 
     def url(self, episode_id: str) -> str:
         """The OpenAI ``base_url`` of an episode's session."""
@@ -45,17 +50,29 @@ class SessionRegistry:
             raise RuntimeError("the session server is not started")
         return f"{self.base_url}/sessions/{episode_id}/v1"
 
-    def open(self, episode_id: str, session: AgentSession) -> None:
+    def open(self, episode_id: str, session: AgentSession) -> str:
+        """Serve ``session`` at the episode's URL; the secret its calls must carry (the agent's ``api_key``)."""
+        secret = f"sess-{secrets.token_urlsafe(32)}"
         self._sessions[episode_id] = session
+        self._secrets[episode_id] = secret
+        return secret
 
     def close(self, episode_id: str) -> None:
         self._sessions.pop(episode_id, None)
+        self._secrets.pop(episode_id, None)
 
-    def get(self, episode_id: str) -> AgentSession:
+    def get(self, episode_id: str, authorization: str | None) -> AgentSession:
+        """The open session of ``episode_id`` when ``authorization`` (the request's header) carries its secret:
+        404 when no such session is open, 401 when the secret is missing or not this session's."""
         session = self._sessions.get(episode_id)
         if session is None:
             raise ApiError(404, f"no open session for episode {episode_id!r} in this worker "
                            "(unknown, or its episode has ended)", code="session_not_found", type_="not_found_error")
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                  self._secrets[episode_id].encode()):
+            raise ApiError(401, "missing or wrong API key: a session is called with the api_key its agent was given "
+                           "(each episode has its own)", code="invalid_api_key")
         return session
 
     def __len__(self) -> int:
@@ -83,14 +100,14 @@ def session_app(registry: SessionRegistry) -> FastAPI:
         return _error(ApiError(400, str(exc.errors()[:1])))
 
     @app.get(PREFIX + "/models")
-    async def models(episode_id: str) -> dict[str, Any]:
-        registry.get(episode_id)
+    async def models(episode_id: str, request: Request) -> dict[str, Any]:
+        registry.get(episode_id, request.headers.get("authorization"))
         return {"object": "list", "data": [{"id": registry.model_name, "object": "model", "created": 0,
                                             "owned_by": "rollout-ledger"}]}
 
     @app.get(PREFIX + "/models/{model_id:path}")
-    async def model(episode_id: str, model_id: str) -> dict[str, Any]:
-        registry.get(episode_id)
+    async def model(episode_id: str, model_id: str, request: Request) -> dict[str, Any]:
+        registry.get(episode_id, request.headers.get("authorization"))
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "rollout-ledger"}
 
     @app.api_route(PREFIX + "/responses", methods=["GET", "POST"])
@@ -107,7 +124,7 @@ def session_app(registry: SessionRegistry) -> FastAPI:
             return await _chat(episode_id, request)
 
     async def _chat(episode_id: str, request: Request) -> Response:
-        session = registry.get(episode_id)
+        session = registry.get(episode_id, request.headers.get("authorization"))
         try:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
