@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -196,7 +197,17 @@ class EpisodeDriver:
                 return await self._failed(FailureClass.ENV, f"step {t}: {type(exc).__name__}: {exc}",
                                           retryable=_env_retryable(exc))
             self.deps.metrics.env_step_seconds.observe(env_s)
-            self.reward += float(result.reward)
+            try:
+                reward = float(result.reward)
+            except (TypeError, ValueError, OverflowError):
+                reward = math.nan
+            if not math.isfinite(reward):  # never stored: a NaN reward turns every mean over it into NaN
+                return await self._failed(FailureClass.ENV, f"step {t}: the env returned a non-finite reward "
+                                          f"{str(result.reward)[:100]!r}")
+            if not math.isfinite(self.reward + reward):
+                return await self._failed(FailureClass.ENV, f"step {t}: the episode's reward sum overflowed "
+                                          f"({self.reward!r} + {reward!r})")
+            self.reward += reward
             info = _jsonable(result.info)
             if result.aborted:
                 info["aborted"] = True
@@ -207,7 +218,7 @@ class EpisodeDriver:
                 **self._common(f"{self.ep}:a{self.attempt}:s{t}", 2 * t + 2),
                 turn_index=t, turn_event_id=turn.event_id, action=action,
                 observation="" if final else observation,
-                observation_token_ids=delta.ids, reward=float(result.reward), terminated=result.terminated,
+                observation_token_ids=delta.ids, reward=reward, terminated=result.terminated,
                 truncated=result.truncated, info=info, step_ms=(time.perf_counter() - started) * 1000.0,
                 drift=None if delta.drift is None else delta.drift.value, new_segment=delta.new_segment,
             )

@@ -38,6 +38,7 @@ env ``remote:<name>`` (a batch's ``env``), served at ``http://host:port/<name>/.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import uuid
@@ -268,9 +269,11 @@ class RemoteEnv(Env):
             raise EnvError(f"remote env step {t}: expected an object, got {str(answer)[:200]}", retryable=False)
         try:
             reward = float(answer.get("reward", 0.0) or 0.0)
-        except (TypeError, ValueError) as exc:
-            raise EnvError(f"remote env step {t}: reward {answer.get('reward')!r} is not a number",
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EnvError(f"remote env step {t}: reward {str(answer.get('reward'))[:100]!r} is not a number",
                            retryable=False) from exc
+        if not math.isfinite(reward):  # JSON NaN / Infinity / 1e999 (httpx parses them), or the string "nan"
+            raise EnvError(f"remote env step {t}: reward {reward!r} is not a finite number", retryable=False)
         terminated = bool(answer.get("terminated", False))
         truncated = bool(answer.get("truncated", False))
         aborted = bool(answer.get("aborted", False))

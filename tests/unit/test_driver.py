@@ -14,7 +14,9 @@ from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
+from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult
 from rollout_ledger.services.envs.builtins import builtin_registry
+from rollout_ledger.services.envs.registry import EnvRegistry
 from rollout_ledger.shared.events import (
     EpisodeRequested,
     Event,
@@ -62,10 +64,10 @@ async def served(nc: bus.NATS, model_dir: str) -> AsyncIterator[ChatTokenizer]:
 
 
 async def run_episode(nc: bus.NATS, tok: ChatTokenizer, env: str, task: dict[str, Any], max_turns: int,
-                      cancelled: bool = False) -> tuple[Any, list[Event]]:
+                      cancelled: bool = False, envs: EnvRegistry | None = None) -> tuple[Any, list[Event]]:
     client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5, heartbeat_timeout_s=5))
     await client.start()
-    deps = DriverDeps(js=nc.jetstream(), client=client, envs=builtin_registry(), template=TurnTemplate(tok),
+    deps = DriverDeps(js=nc.jetstream(), client=client, envs=envs or builtin_registry(), template=TurnTemplate(tok),
                       is_cancelled=lambda _b: cancelled, metrics=build_metrics(), worker_id="w0")
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
                             produced_by="test", env=env, task=task, group_id="b.0", group_index=0, group_size=1,
@@ -121,3 +123,37 @@ async def test_env_reset_failure_is_an_env_failure(nc: bus.NATS, served: ChatTok
     assert outcome.status == "failed"
     (failed,) = events
     assert failed.type == "episode.failed" and failed.failure_class == "env" and "TaskError" in failed.reason
+
+
+class _RewardEnv(Env):
+    """Step 0 answers reward 1.0, steps 1 and 2 answer the task's ``reward`` (NaN, +/-inf, 1.7e308)."""
+
+    def __init__(self) -> None:
+        self._reward = 0.0
+        self._steps = 0
+
+    async def reset(self, task: dict[str, Any]) -> list[Message]:
+        self._reward = float(task["reward"])
+        return [{"role": "user", "content": "Say anything."}]
+
+    async def step(self, action: str) -> StepResult:
+        self._steps += 1
+        return StepResult([{"role": "user", "content": "More."}], reward=1.0 if self._steps == 1 else self._reward,
+                          terminated=self._steps >= 3)
+
+
+@pytest.mark.parametrize(("reward", "reason", "kept"), [
+    ("nan", "non-finite reward", [1.0]), ("inf", "non-finite reward", [1.0]),
+    ("-inf", "non-finite reward", [1.0]), ("1.7e308", "reward sum overflowed", [1.0, 1.7e308])])
+async def test_non_finite_reward_fails_the_attempt_as_env(nc: bus.NATS, served: ChatTokenizer, reward: str,
+                                                          reason: str, kept: list[float]) -> None:
+    """A NaN / infinite step reward, or a reward sum that overflows, fails the attempt with class env: no step
+    and no finished event carries it."""
+    envs = EnvRegistry([EnvSpec(name="reward-env", factory=_RewardEnv, description="test", multi_turn=True)])
+    outcome, events = await run_episode(nc, served, "reward-env", {"reward": reward}, max_turns=3, envs=envs)
+    assert outcome.status == "failed"
+    failed = events[-1]
+    assert failed.type == "episode.failed" and failed.failure_class == "env" and not failed.will_retry
+    assert reason in failed.reason and failed.num_turns == len(kept)
+    assert [e.reward for e in events if e.type == "step.completed"] == kept
+    assert not any(e.type == "episode.finished" for e in events)

@@ -8,13 +8,15 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.envs.builtins import builtin_registry
-from rollout_ledger.services.envs.remote import RemoteConfig, RemoteEndpoint, parse_remote_envs
+from rollout_ledger.services.envs.remote import ActorPool, RemoteConfig, RemoteEndpoint, RemoteEnv, parse_remote_envs
 from rollout_ledger.services.envserver.actors import ActorConflict, ActorNotFound, ActorTable
+from rollout_ledger.shared.errors import EnvError
 from rollout_ledger.shared.events import EpisodeRequested, FailureClass, SamplingParams
 from rollout_ledger.shared.subjects import env_key, env_name_of_key
 
@@ -112,3 +114,21 @@ async def test_a_failing_step_leaves_the_actor_as_it_was(tmp_path: Path) -> None
         with pytest.raises(RuntimeError, match="fault injected at turn 2"):
             await table.step(actor, "b", 1)
     assert actor.actions == ["a"] and len(actor.messages) == 3
+
+
+@pytest.mark.parametrize("reward", [b"NaN", b"Infinity", b"-Infinity", b"1e999", b'"nan"', b'"-inf"'])
+async def test_a_non_finite_remote_reward_is_an_env_error(reward: bytes) -> None:
+    """httpx parses NaN / Infinity / 1e999 and float() takes "nan": the adapter refuses them (not retryable), so the
+    driver fails the attempt with class env instead of storing the reward."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b'{"reward": ' + reward + b', "terminated": true, "observation": []}',
+                              headers={"content-type": "application/json"})
+
+    pool = ActorPool(RemoteEndpoint("nan-env", "http://envs.invalid"), RemoteConfig(startup_jitter_s=0))
+    pool._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    env = RemoteEnv(pool)
+    with pytest.raises(EnvError, match="not a finite number") as err:
+        await env.step("anything")
+    assert err.value.retryable is False
+    await pool.aclose()
