@@ -4,8 +4,9 @@ registry of the sessions open in this worker.
 Served by the env worker on its own port (``session_port``), next to the ops server. Each session has a secret of
 its own, made when it opens and handed to the agent as its client's ``api_key``: a call must carry it
 (``Authorization: Bearer <secret>``, what every OpenAI SDK sends) or it is answered 401, so nothing but the episode's
-own agent can add a turn to its trajectory. Every error is in the OpenAI shape, so SDKs raise their usual ``BadRequestError`` / ``NotFoundError`` with our message (the
-Responses API, what the OpenAI Agents SDK uses unless given its chat-completions model, is a 404 saying so).
+own agent can add a turn to its trajectory. Every error is in the OpenAI shape, so SDKs raise their usual
+``BadRequestError`` / ``NotFoundError`` / ``AuthenticationError`` with our message (the Responses API, what the
+OpenAI Agents SDK uses unless given its chat-completions model, is a 404 saying so).
 """
 
 from __future__ import annotations
