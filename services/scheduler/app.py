@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request, status
+from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,12 +18,21 @@ from rollout_ledger.services.scheduler.admission import Admission
 from rollout_ledger.services.scheduler.api import batches, episodes
 from rollout_ledger.services.scheduler.api import envs as envs_api
 from rollout_ledger.services.scheduler.api import policy as policy_api
+from rollout_ledger.services.scheduler.api.deps import Scope as TokenScope
+from rollout_ledger.services.scheduler.api.deps import check_scope
+from rollout_ledger.services.scheduler.api.errors import (
+    describe_validation_errors,
+    on_unavailable,
+    on_validation_error,
+)
+from rollout_ledger.services.scheduler.api.guard import BodyGuard
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics, create_metrics
 from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.state import Resources, SchedulerState
 from rollout_ledger.services.scheduler.trajectory_view import TokenizerCache
 from rollout_ledger.shared.db import check_schema, create_engine
+from rollout_ledger.shared.deploy import METRICS_PATH
 from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
@@ -31,6 +40,8 @@ from rollout_ledger.shared.kit.runtime import Health, ops_app
 from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET
 
 log = get_logger(__name__)
+
+__all__ = ["SERVICE", "create_app", "describe_validation_errors", "scheduler_lifespan"]
 
 SERVICE = "scheduler"
 
@@ -136,29 +147,50 @@ class _MetricsMiddleware:
             self.metrics.http_latency.labels(method, route).observe(time.perf_counter() - started)
 
 
-def describe_validation_errors(errors: Any) -> tuple[list[dict[str, Any]], str]:
-    """Per error: its location, the dotted field (without body/query/path) and the reason; and one summary line."""
-    detail: list[dict[str, Any]] = []
-    parts: list[str] = []
-    for err in errors:
-        loc = [str(p) for p in err.get("loc", ())]
-        field = ".".join(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc) or "body"
-        detail.append({"loc": loc, "field": field, "msg": err.get("msg", ""), "type": err.get("type", "")})
-        parts.append(f"{field}: {err.get('msg', '')}")
-    return detail, "; ".join(parts[:10])
+class _MetricsAuth:
+    """``/metrics`` behind a read token when ``ROLLOUT_METRICS_AUTH=read`` (the ops routes are shared, plain)."""
+
+    def __init__(self, app: ASGIApp, settings: SchedulerSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") == METRICS_PATH and self.settings.metrics_auth == "read":
+            header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            try:
+                check_scope(self.settings, header, TokenScope.READ)
+            except HTTPException as exc:
+                await JSONResponse({"detail": exc.detail}, status_code=exc.status_code,
+                                   headers=exc.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    """422 naming each field and the reason (without echoing the input, which may be a huge task list)."""
-    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-    detail, message = describe_validation_errors(errors)
-    return JSONResponse({"detail": detail, "message": message}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+def _document_limits(app: FastAPI, settings: SchedulerSettings) -> None:
+    """Put this deployment's request limits into the OpenAPI schema (info.description and ``x-limits``)."""
+    limits = {
+        "max_body_bytes": settings.max_body_bytes, "max_json_depth": settings.max_json_depth,
+        "max_string_chars": settings.max_string_chars, "max_metadata_bytes": settings.max_metadata_bytes,
+        "max_task_bytes": settings.max_task_bytes, "max_batch_episodes": settings.max_batch_episodes,
+    }
+    plain = app.openapi
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = plain()
+            schema["info"]["x-limits"] = limits
+            schema["info"]["description"] = (
+                "Every /v1 route needs a bearer token: ROLLOUT_API_TOKEN (scopes read and write) or "
+                "ROLLOUT_API_READ_TOKEN (read). Request limits of this deployment: "
+                + ", ".join(f"{k} {v}" for k, v in limits.items())
+                + ". A body over max_body_bytes, metadata over max_metadata_bytes, a task over max_task_bytes or a "
+                "batch over max_batch_episodes is a 413; nesting deeper than max_json_depth, a string longer than "
+                "max_string_chars, NaN, integers beyond 64 bits, NUL characters and lone surrogates are a 422 "
+                "naming the field.")
+            app.openapi_schema = schema
+        return app.openapi_schema
 
-async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
-    """503: NATS or Postgres failed; the request may be retried (POSTs with a batch_id are idempotent)."""
-    log.warning("request.dependency_failed", path=request.url.path, error=str(exc), error_type=type(exc).__name__)
-    return JSONResponse({"detail": f"{exc} (retry later)"}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
 
 
 def create_app(settings: SchedulerSettings, *, with_lifespan: bool = True) -> FastAPI:
@@ -178,13 +210,16 @@ def create_app(settings: SchedulerSettings, *, with_lifespan: bool = True) -> Fa
     app.state.scheduler = SchedulerState(
         settings=settings, health=health, metrics=metrics, tokenizers=TokenizerCache(settings.model)
     )
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StoreError, _unavailable)
-    app.add_exception_handler(BusError, _unavailable)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StoreError, on_unavailable)
+    app.add_exception_handler(BusError, on_unavailable)
     app.include_router(batches.router)
     app.include_router(episodes.router)
     app.include_router(envs_api.router)
     app.include_router(policy_api.router)
     ops_app(SERVICE, health, metrics.registry, app)
+    _document_limits(app, settings)
+    app.add_middleware(BodyGuard, settings=settings)
+    app.add_middleware(_MetricsAuth, settings=settings)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     return app

@@ -49,9 +49,10 @@ def request_hash(req: BatchCreate) -> str:
     return hashlib.sha256(canonical_request(req)).hexdigest()
 
 
-def task_size(task: dict[str, Any]) -> int:
-    """Bytes of a task's JSON encoding (it travels inside one work item)."""
-    return len(orjson.dumps(task))
+def json_size(value: dict[str, Any]) -> int:
+    """Bytes of a task's (or the metadata's) JSON encoding: a task travels inside one work item."""
+    return len(orjson.dumps(value))
+
 
 
 @dataclass(frozen=True)

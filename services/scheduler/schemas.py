@@ -15,6 +15,9 @@ from rollout_ledger.shared.events import ContextPolicy, SamplingParams
 from rollout_ledger.shared.policy import SwapMode, WorkerPolicyState
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+EPISODE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}\.[0-9]{1,9}\.[0-9]{1,9}$"
+"""``{batch_id}.{task_index}.{group_index}`` (planning.episode_id)."""
+INT32_MAX = 2**31 - 1
 
 
 class SamplingRequest(SamplingParams):
@@ -43,9 +46,9 @@ class BatchBase(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    env: str = Field(min_length=1, max_length=128, examples=["countdown"])
+    env: str = Field(min_length=1, max_length=128, examples=["arithmetic"])
     """Registered environment name (see GET /v1/envs)."""
-    group_size: int = Field(1, ge=1)
+    group_size: int = Field(1, ge=1, le=INT32_MAX)
     """Samples per task (a GRPO group)."""
     sampling: SamplingRequest = Field(default_factory=SamplingRequest)
     """Sampling parameters for every turn."""
@@ -55,12 +58,12 @@ class BatchBase(BaseModel):
     """Context policy: ``{"policy": "full"}`` (default) or ``{"policy": "window", "window_turns": N}`` (system
     message + last N turns, each turn its own training sample)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
-    """Free-form client data stored with the batch."""
+    """Free-form client data stored with the batch (at most ``ROLLOUT_MAX_METADATA_BYTES`` as JSON, else 413)."""
     max_staleness: int | None = Field(None, ge=0, le=1_000_000)
     """k: an episode starts only while (current policy version - the version it would be generated with) <= k;
     until then it waits (status ``waiting``, no work item). Null: the deployment's ``ROLLOUT_MAX_STALENESS``, and
     when that is unset too, episodes start at once (no bound)."""
-    episodes_per_version: int | None = Field(None, ge=1)
+    episodes_per_version: int | None = Field(None, ge=1, le=INT32_MAX)
     """B, the trainer's consumption per policy version: with it, admission also bounds the run-ahead of generation
     beyond what the trainer has consumed to (current - base + k + 1) x B episodes (AReaL's rule; base = the
     version announced when the batch was stored). A multiple of ``group_size`` (whole groups are admitted); needs
@@ -70,8 +73,9 @@ class BatchBase(BaseModel):
 class BatchCreate(BatchBase):
     """POST /v1/batches: tasks inline; a client-supplied ``batch_id`` makes the request idempotent."""
 
-    tasks: list[dict[str, Any]] = Field(min_length=1)
-    """The tasks, each handed to ``env.reset`` (at least one)."""
+    tasks: list[dict[str, Any]] = Field(min_length=1, examples=[[{"seed": 0}, {"seed": 1}]])
+    """The tasks, each handed to ``env.reset`` (at least one; tasks x group_size at most
+    ``ROLLOUT_MAX_BATCH_EPISODES`` and each at most ``ROLLOUT_MAX_TASK_BYTES`` as JSON, else 413)."""
     batch_id: str | None = Field(None, pattern=BATCH_ID_PATTERN)
     """Client-supplied id; repeating the same request with it returns the existing batch."""
 
@@ -298,6 +302,26 @@ class ErrorPublic(BaseModel):
     """Every non-validation error: one sentence saying what is wrong."""
 
     detail: str
+
+
+class FieldErrorPublic(BaseModel):
+    """One invalid field of a request."""
+
+    loc: list[str | int]
+    """Where: ``body``/``path`` then the keys and indexes down to the value."""
+    field: str
+    """``loc`` without its first element, dotted (``tasks.3.prompt``); ``body`` for the body as a whole."""
+    msg: str
+    """What is wrong with it."""
+    type: str
+    """A machine-readable kind (``int_out_of_range``, ``string_nul``, ``too_deep``, pydantic's types, ...)."""
+
+
+class ValidationErrorPublic(BaseModel):
+    """422: every invalid field of the request, and one line summing them up."""
+
+    detail: list[FieldErrorPublic]
+    message: str
 
 
 class PolicyVersionCreate(BaseModel):

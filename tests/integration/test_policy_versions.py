@@ -156,11 +156,11 @@ async def test_policy_shows_workers_and_episodes_in_flight_per_version(api: Api)
 
 async def test_announcing_needs_the_write_token_when_one_is_set(nats_url: str, database_url: str,
                                                                nc: bus.NATS) -> None:
-    async with running(make_settings(nats_url, database_url, api_token=TOKEN), nc) as a:
-        r = await a.client.post("/v1/policy/versions", json={"version": 1, "checkpoint": CKPT})
+    async with running(make_settings(nats_url, database_url, api_token=TOKEN), nc) as a, a.anonymous() as anon:
+        r = await anon.post("/v1/policy/versions", json={"version": 1, "checkpoint": CKPT})
         assert r.status_code == 401
-        ok = await a.client.post("/v1/policy/versions", json={"version": 1, "checkpoint": CKPT},
-                                 headers={"Authorization": f"Bearer {TOKEN}"})
+        ok = await anon.post("/v1/policy/versions", json={"version": 1, "checkpoint": CKPT},
+                             headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status_code == 201
 
 

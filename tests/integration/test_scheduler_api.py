@@ -32,6 +32,9 @@ from rollout_ledger.shared.lifecycle import EpisodeStatus
 from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, WORK_STREAM, WORK_SUBJECT
 
 TOKEN = "test-token-0123456789"
+READ_TOKEN = "test-read-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+"""Headers of a client with the write scope (``make_settings`` sets ``TOKEN`` as ROLLOUT_API_TOKEN)."""
 
 
 @dataclass
@@ -39,8 +42,15 @@ class Api:
     """An in-process scheduler with its own view of the bus and the database."""
 
     client: httpx.AsyncClient
+    """Sends the settings' ROLLOUT_API_TOKEN (scopes read and write)."""
     js: bus.JetStreamContext
     engine: AsyncEngine
+    transport: httpx.ASGITransport
+    """For a client of other credentials (``anonymous``)."""
+
+    def anonymous(self, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+        """A client of the same app without the token (``headers``: other credentials)."""
+        return httpx.AsyncClient(transport=self.transport, base_url="http://scheduler", headers=headers)
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -55,7 +65,8 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10
 
 def make_settings(nats_url: str, database_url: str, **kw: Any) -> SchedulerSettings:
     base: dict[str, Any] = {"nats_url": nats_url, "database_url": database_url, "republish_interval_s": 60.0,
-                            "nats_initial_wait_s": 5.0, "worker_id": "sched-test", "_env_file": None}
+                            "nats_initial_wait_s": 5.0, "worker_id": "sched-test", "api_token": TOKEN,
+                            "_env_file": None}
     base.update(kw)
     return SchedulerSettings(**base)
 
@@ -67,8 +78,10 @@ async def running(settings: SchedulerSettings, nc: bus.NATS) -> AsyncIterator[Ap
     try:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://scheduler") as client:
-                yield Api(client, nc.jetstream(), engine)
+            token = settings.api_token.get_secret_value() if settings.api_token is not None else None
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            async with httpx.AsyncClient(transport=transport, base_url="http://scheduler", headers=headers) as client:
+                yield Api(client, nc.jetstream(), engine, transport)
     finally:
         await engine.dispose()
 
@@ -270,19 +283,63 @@ async def test_oversized_batch_is_413_with_the_limit(nats_url: str, database_url
         assert (await a.client.post("/v1/batches", json=body(group_size=1))).status_code == 201
 
 
-async def test_bearer_token_guards_mutating_routes(nats_url: str, database_url: str, nc: bus.NATS) -> None:
-    async with running(make_settings(nats_url, database_url, api_token=TOKEN), nc) as a:
+async def test_bearer_tokens_guard_every_route_by_scope(nats_url: str, database_url: str, nc: bus.NATS) -> None:
+    async with running(make_settings(nats_url, database_url, api_read_token=READ_TOKEN), nc) as a:
         await register_env(a.js, "echo")
-        r = await a.client.post("/v1/batches", json=body(batch_id="authz"))
-        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        r = await a.client.post("/v1/batches", json=body(batch_id="authz"), headers={"Authorization": "Bearer nope"})
-        assert r.status_code == 401 and r.json()["detail"] == "invalid bearer token"
-        good = {"Authorization": f"Bearer {TOKEN}"}
-        assert (await a.client.post("/v1/batches", json=body(batch_id="authz"), headers=good)).status_code == 201
-        assert (await a.client.post("/v1/batches/authz/cancel")).status_code == 401
-        assert (await a.client.post("/v1/batches/authz/cancel", headers=good)).status_code == 200
-        assert (await a.client.get("/v1/batches/authz")).status_code == 200
-        assert (await a.client.get("/v1/envs")).status_code == 200
+        assert (await a.client.post("/v1/batches", json=body(batch_id="authz"))).status_code == 201
+        routes = [("POST", "/v1/batches", body(batch_id="authz2")), ("POST", "/v1/batches/authz/cancel", None),
+                  ("POST", "/v1/policy/versions", {"version": 1, "checkpoint": "/ckpt"}),
+                  ("GET", "/v1/batches/authz", None), ("GET", "/v1/episodes/authz.0.0", None),
+                  ("GET", "/v1/episodes/authz.0.0/trajectory", None), ("GET", "/v1/envs", None),
+                  ("GET", "/v1/policy", None)]
+        async with a.anonymous() as anon, a.anonymous({"Authorization": "Bearer nope-nope-nope"}) as wrong, \
+                a.anonymous({"Authorization": f"Basic {TOKEN}"}) as basic, \
+                a.anonymous({"Authorization": f"Bearer {READ_TOKEN}"}) as reader:
+            for method, path, payload in routes:
+                for client, what in ((anon, "missing"), (wrong, "invalid"), (basic, "missing")):
+                    r = await client.request(method, path, json=payload)
+                    assert r.status_code == 401, (method, path, what, r.text)
+                    assert r.headers["www-authenticate"] == "Bearer" and r.json()["detail"].startswith(what)
+                r = await reader.request(method, path, json=payload)
+                if method == "POST":
+                    assert r.status_code == 403, (path, r.text)
+                    assert "needs 'write'" in r.json()["detail"]
+                else:
+                    assert r.status_code in (200, 404), (path, r.text)  # no trajectory yet: 404
+            for open_path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+                assert (await anon.get(open_path)).status_code == 200, open_path
+        assert len(await episode_rows(a.engine, "authz2")) == 0
+        async with a.engine.connect() as conn:
+            assert (await conn.execute(select(batches.c.cancelled_at).where(batches.c.id == "authz"))).scalar() is None
+
+
+async def test_metrics_behind_the_read_scope_when_configured(nats_url: str, database_url: str,
+                                                              nc: bus.NATS) -> None:
+    settings = make_settings(nats_url, database_url, api_read_token=READ_TOKEN, metrics_auth="read")
+    async with running(settings, nc) as a, a.anonymous() as anon, \
+            a.anonymous({"Authorization": f"Bearer {READ_TOKEN}"}) as reader:
+        assert (await anon.get("/metrics")).status_code == 401
+        assert (await anon.get("/healthz")).status_code == 200
+        got = await reader.get("/metrics")
+        assert got.status_code == 200 and "rollout_http_requests_total" in got.text
+
+
+def test_settings_refuse_to_run_without_a_token_unless_auth_is_disabled(nats_url: str, database_url: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="ROLLOUT_API_TOKEN is not set"):
+        make_settings(nats_url, database_url, api_token=None)
+    with pytest.raises(ValidationError, match="its own secret"):
+        make_settings(nats_url, database_url, api_read_token=TOKEN)
+    assert make_settings(nats_url, database_url, api_token=None, api_auth="disabled").api_token is None
+
+
+async def test_auth_disabled_serves_without_a_token(nats_url: str, database_url: str, nc: bus.NATS) -> None:
+    async with running(make_settings(nats_url, database_url, api_token=None, api_auth="disabled"), nc) as a:
+        await register_env(a.js, "echo")
+        async with a.anonymous() as anon:
+            assert (await anon.post("/v1/batches", json=body(batch_id="open"))).status_code == 201
+            assert (await anon.get("/v1/batches/open")).status_code == 200
 
 
 # --- GET /v1/batches/{id}, cancel ---------------------------------------------------------------
@@ -438,7 +495,7 @@ async def test_refuses_to_start_on_an_old_schema(nats_url: str, database_url: st
             pass
     assert isinstance(app.state.scheduler.startup_error, SchemaVersionError)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://scheduler") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://scheduler", headers=AUTH) as client:
         assert (await client.get("/readyz")).status_code == 503
         assert (await client.get("/v1/envs")).status_code == 503
 

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Response, status
+from fastapi import APIRouter, HTTPException, Path, Response, status
 from structlog.contextvars import bound_contextvars
 
 from rollout_ledger.services.scheduler import admission, envs, store
-from rollout_ledger.services.scheduler.api.deps import AuthDep, ResourcesDep, StateDep
+from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, StateDep, WriteDep
+from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES, WRITE_RESPONSES, field_error
 from rollout_ledger.services.scheduler.planning import (
     BatchRunSpec,
+    json_size,
     new_batch_id,
     plan_episodes,
     request_hash,
-    task_size,
 )
 from rollout_ledger.services.scheduler.schemas import (
+    BATCH_ID_PATTERN,
     AdmissionPublic,
     BatchCancelPublic,
     BatchCreate,
@@ -34,6 +36,8 @@ log = get_logger(__name__)
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
+BatchIdPath = Annotated[str, Path(pattern=BATCH_ID_PATTERN, description="The batch id (``[A-Za-z0-9_-]{1,64}``)")]
+
 
 def _status_url(batch_id: str) -> str:
     return f"/v1/batches/{batch_id}"
@@ -46,14 +50,15 @@ def _not_found(batch_id: str) -> HTTPException:
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
-    dependencies=[AuthDep],
+    dependencies=[WriteDep],
     responses={
+        **WRITE_RESPONSES,
         200: {"model": BatchCreatedPublic, "description": "The batch existed with the same request"},
         400: {"model": ErrorPublic, "description": "Unknown env (the message lists the known ones)"},
-        401: {"model": ErrorPublic, "description": "Missing or wrong bearer token"},
         409: {"model": ErrorPublic, "description": "The batch id exists with a different request"},
-        413: {"model": ErrorPublic, "description": "Too many episodes, or a task too large"},
-        422: {"model": ErrorPublic, "description": "A field is invalid (the message names it)"},
+        413: {"model": ErrorPublic, "description": "The body is over ROLLOUT_MAX_BODY_BYTES, the batch over "
+                                                   "ROLLOUT_MAX_BATCH_EPISODES, a task over ROLLOUT_MAX_TASK_BYTES or "
+                                                   "the metadata over ROLLOUT_MAX_METADATA_BYTES"},
     },
 )
 async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, response: Response) -> BatchCreatedPublic:
@@ -66,8 +71,15 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
             f"batch has {len(body.tasks)} tasks x group_size {body.group_size} = {num_episodes} episodes; "
             f"the limit is {settings.max_batch_episodes} (ROLLOUT_MAX_BATCH_EPISODES): split it",
         )
+    metadata_size = json_size(body.metadata)
+    if metadata_size > settings.max_metadata_bytes:
+        raise HTTPException(
+            status.HTTP_413_CONTENT_TOO_LARGE,
+            f"metadata is {metadata_size} bytes as JSON; the limit is {settings.max_metadata_bytes} "
+            "(ROLLOUT_MAX_METADATA_BYTES)",
+        )
     for i, task in enumerate(body.tasks):
-        size = task_size(task)
+        size = json_size(task)
         if size > settings.max_task_bytes:
             raise HTTPException(
                 status.HTTP_413_CONTENT_TOO_LARGE,
@@ -76,14 +88,14 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
     max_staleness = body.max_staleness if body.max_staleness is not None else settings.max_staleness
     if body.episodes_per_version is not None:
         if max_staleness is None:
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_CONTENT,
+            raise field_error(
+                "episodes_per_version",
                 "episodes_per_version bounds the run-ahead of a staleness bound: set max_staleness too "
                 "(this deployment has no ROLLOUT_MAX_STALENESS)",
             )
         if body.episodes_per_version % body.group_size:
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_CONTENT,
+            raise field_error(
+                "episodes_per_version",
                 f"episodes_per_version {body.episodes_per_version} is not a multiple of group_size "
                 f"{body.group_size}: admission starts whole groups",
             )
@@ -97,7 +109,7 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
             if existing is not None:
                 return await _replay(res, existing, rhash, response)
         if settings.require_registered_env and not await envs.is_registered(res.envs_kv, body.env):
-            known = await envs.env_names(res.envs_kv)
+            known = await envs.env_names(res.js, res.envs_kv)
             listed = ", ".join(known) if known else "none registered yet (start an env worker)"
             raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown env {body.env!r}; known envs: {listed}")
 
@@ -199,8 +211,8 @@ async def _replay(res: Resources, existing: dict[str, Any], rhash: str, response
     )
 
 
-@router.get("/{batch_id}", responses={404: {"model": ErrorPublic}})
-async def get_batch(batch_id: str, res: ResourcesDep) -> BatchPublic:
+@router.get("/{batch_id}", dependencies=[ReadDep], responses={**READ_RESPONSES, 404: {"model": ErrorPublic}})
+async def get_batch(batch_id: BatchIdPath, res: ResourcesDep) -> BatchPublic:
     """Episodes per status, trajectories stored, mean reward of finished episodes, and whether all are done."""
     with store.store_errors("read batch"):
         async with res.engine.connect() as conn:
@@ -247,10 +259,10 @@ def _admission_public(held: admission.Standing | None) -> AdmissionPublic | None
 
 @router.post(
     "/{batch_id}/cancel",
-    dependencies=[AuthDep],
-    responses={401: {"model": ErrorPublic}, 404: {"model": ErrorPublic}},
+    dependencies=[WriteDep],
+    responses={**WRITE_RESPONSES, 404: {"model": ErrorPublic}},
 )
-async def cancel_batch(batch_id: str, res: ResourcesDep) -> BatchCancelPublic:
+async def cancel_batch(batch_id: BatchIdPath, res: ResourcesDep) -> BatchCancelPublic:
     """Cancel a batch (idempotent): waiting episodes become cancelled; env workers end running ones between turns."""
     with bound_contextvars(batch_id=batch_id):
         with store.store_errors("read batch"):

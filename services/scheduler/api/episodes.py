@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Path, status
 
 from rollout_ledger.services.scheduler import store
-from rollout_ledger.services.scheduler.api.deps import ResourcesDep, StateDep
+from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, StateDep
+from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES
 from rollout_ledger.services.scheduler.schemas import (
+    EPISODE_ID_PATTERN,
     EpisodePublic,
     ErrorPublic,
     SpanPublic,
@@ -18,7 +20,10 @@ from rollout_ledger.services.scheduler.schemas import (
 )
 from rollout_ledger.services.scheduler.trajectory_view import decode_spans, trajectory_spans
 
-router = APIRouter(prefix="/v1/episodes", tags=["episodes"])
+router = APIRouter(prefix="/v1/episodes", tags=["episodes"], dependencies=[ReadDep])
+
+EpisodeIdPath = Annotated[str, Path(pattern=EPISODE_ID_PATTERN,
+                                    description="``{batch_id}.{task_index}.{group_index}``")]
 
 
 def _not_found(episode_id: str) -> HTTPException:
@@ -29,8 +34,8 @@ def _ids(value: Any) -> list[int] | None:
     return None if value is None else [int(v) for v in value]
 
 
-@router.get("/{episode_id}", responses={404: {"model": ErrorPublic}})
-async def get_episode(episode_id: str, res: ResourcesDep) -> EpisodePublic:
+@router.get("/{episode_id}", responses={**READ_RESPONSES, 404: {"model": ErrorPublic}})
+async def get_episode(episode_id: EpisodeIdPath, res: ResourcesDep) -> EpisodePublic:
     """The episode row with all its turns and steps, superseded tries and attempts included (flagged)."""
     with store.store_errors("read episode"):
         async with res.engine.connect() as conn:
@@ -50,8 +55,8 @@ async def get_episode(episode_id: str, res: ResourcesDep) -> EpisodePublic:
     )
 
 
-@router.get("/{episode_id}/trajectory", responses={404: {"model": ErrorPublic}})
-async def get_trajectory(episode_id: str, state: StateDep, res: ResourcesDep) -> TrajectoryPublic:
+@router.get("/{episode_id}/trajectory", responses={**READ_RESPONSES, 404: {"model": ErrorPublic}})
+async def get_trajectory(episode_id: EpisodeIdPath, state: StateDep, res: ResourcesDep) -> TrajectoryPublic:
     """The token-exact trajectory, with the text of the whole sequence and of each prompt/sampled/observation span."""
     with store.store_errors("read trajectory"):
         async with res.engine.connect() as conn:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Response, status
 
 from rollout_ledger.services.scheduler import policy
-from rollout_ledger.services.scheduler.api.deps import AuthDep, ResourcesDep
+from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, WriteDep
+from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES, WRITE_RESPONSES
 from rollout_ledger.services.scheduler.schemas import (
+    ErrorPublic,
     PolicyPublic,
     PolicyVersionCreate,
     PolicyVersionPublic,
@@ -23,9 +25,12 @@ log = get_logger(__name__)
     "/versions",
     status_code=status.HTTP_201_CREATED,
     response_model=PolicyVersionPublic,
-    dependencies=[AuthDep],
-    responses={200: {"description": "the same version was announced by the same request before"},
-               409: {"description": "the version exists with other values, or is not above the newest"}},
+    dependencies=[WriteDep],
+    responses={**WRITE_RESPONSES,
+               200: {"model": PolicyVersionPublic,
+                     "description": "the same version was announced by the same request before"},
+               409: {"model": ErrorPublic,
+                     "description": "the version exists with other values, or is not above the newest"}},
 )
 async def announce_version(body: PolicyVersionCreate, res: ResourcesDep, response: Response) -> PolicyVersionPublic:
     """Record the version and announce it on the bus: every inference worker loads it and serves it (its swap
@@ -47,7 +52,7 @@ async def announce_version(body: PolicyVersionCreate, res: ResourcesDep, respons
                                created=recorded.created, announced=announced)
 
 
-@router.get("", response_model=PolicyPublic)
+@router.get("", response_model=PolicyPublic, dependencies=[ReadDep], responses=READ_RESPONSES)
 async def get_policy(res: ResourcesDep) -> PolicyPublic:
     """The current version, each inference worker's latest report, and running episodes per version."""
     with store_errors("reading the policy"):
