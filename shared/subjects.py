@@ -23,6 +23,24 @@ def event_subject(event_type: str) -> str:
     return f"{EVENTS_SUBJECT_PREFIX}.{event_type}"
 
 
+# --- dead letters of consumers that have no database (the env workers' work queue) ----------------
+DEAD_LETTER_STREAM = "RL_DEAD_LETTERS"
+DEAD_LETTER_SUBJECT_PREFIX = "rl.deadletters"
+DEAD_LETTER_CONSUMER = "recorder-dead-letters"
+"""The recorder stores every message of ``DEAD_LETTER_STREAM`` as a row of ``dead_letters``."""
+WORK_DEAD_LETTER_SUBJECT = f"{DEAD_LETTER_SUBJECT_PREFIX}.work"
+"""An env worker republishes here a work item it cannot decode (the item's bytes; why in ``DEAD_REASON_HEADER``,
+where it came from in ``DEAD_SUBJECT_HEADER`` / ``DEAD_SEQ_HEADER``), then terminates the item."""
+DEAD_SUBJECT_HEADER = "Rollout-Dead-Subject"
+DEAD_REASON_HEADER = "Rollout-Dead-Reason"
+DEAD_SEQ_HEADER = "Rollout-Dead-Seq"
+"""The stream sequence of the rejected message in its own stream."""
+DEAD_TRUNCATED_HEADER = "Rollout-Dead-Truncated"
+"""Set (to the original size in bytes) when the payload was cut to ``DEAD_LETTER_MAX_PAYLOAD``."""
+DEAD_LETTER_MAX_PAYLOAD = 1024 * 1024
+"""Bytes of a rejected payload kept in a dead letter (the rest is cut: a hostile 8 MiB item stays bounded)."""
+
+
 # --- inference: core NATS request/reply ----------------------------------------------------------
 INFER_ANY = "rl.infer.any"
 """Any inference worker (queue group ``INFER_QUEUE``)."""
@@ -161,6 +179,13 @@ STREAMS = (
         "limits",
         max_age_s=7 * 24 * 3600,
         description="the durable event log of every episode",
+    ),
+    StreamSpec(
+        DEAD_LETTER_STREAM,
+        [f"{DEAD_LETTER_SUBJECT_PREFIX}.>"],
+        "limits",
+        max_age_s=7 * 24 * 3600,
+        description="messages a consumer without a database rejected, for the recorder to store in dead_letters",
     ),
     StreamSpec(
         ADVISORY_STREAM,

@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from rollout_ledger.services.env_worker.cancellation import CancelWatch
+from rollout_ledger.services.env_worker.dead_letters import reject_work_item
 from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
@@ -163,10 +164,10 @@ class EnvWorker:
             except BusError as bus_exc:
                 log.warning("work_item.hand_back_failed", error=str(bus_exc))
             return
-        except SchemaError as exc:
-            log.error("work_item.malformed", error=str(exc))
-            with contextlib.suppress(Exception):
-                await msg.term()
+        except Exception as exc:  # SchemaError, or anything else the bytes make the decoder raise: dead-lettered
+            reason = f"undecodable work item: {exc}" if isinstance(exc, SchemaError) else \
+                f"undecodable work item: {type(exc).__name__}: {exc}"
+            await reject_work_item(self.js, msg, reason, self.settings.publish_timeout_s)
             return
         attempt = item.attempt_base + bus.delivery_attempt(msg)
         if not self.gate.is_open:  # taken before the gate closed: hold it, in progress, until it opens

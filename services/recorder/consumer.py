@@ -1,4 +1,5 @@
-"""The recorder's consume loops: event batches to Postgres (ack after commit), and max-deliveries advisories.
+"""The recorder's consume loops: event batches to Postgres (ack after commit), max-deliveries advisories of the
+work queue (checked against the work consumer, never trusted on their word), and the dead-letter stream.
 
 Ack policy of the event consumer: a batch is acked only after its transaction committed; while Postgres is
 down the same batch is retried with exponential backoff and kept alive with in-progress pings, so nothing is
@@ -29,7 +30,17 @@ from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.backoff import Backoff
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import Shutdown, sleep_or_shutdown
-from rollout_ledger.shared.subjects import WORK_STREAM
+from rollout_ledger.shared.subjects import (
+    DEAD_LETTER_MAX_PAYLOAD,
+    DEAD_REASON_HEADER,
+    DEAD_SUBJECT_HEADER,
+    DEAD_TRUNCATED_HEADER,
+    WORK_CONSUMER,
+    WORK_DEAD_LETTER_SUBJECT,
+    WORK_MAX_DELIVERIES_ADVISORY,
+    WORK_STREAM,
+    WORK_SUBJECT,
+)
 
 from .metrics import RecorderMetrics
 from .recording import NEWER_CONTRACT, Action, BatchOutcome, Delivery, dead_letter_for, record_batch
@@ -41,7 +52,12 @@ log = get_logger(__name__)
 WORK_QUEUE_SOURCE = "work-queue"
 """``dead_letters.source`` of work items whose env workers kept dying."""
 ADVISORY_SOURCE = "recorder-advisories"
-"""``dead_letters.source`` of advisories the recorder could not read."""
+"""``dead_letters.source`` of advisories the recorder could not read or does not trust."""
+REJECTED_WORK_SOURCE = "env-worker"
+"""``dead_letters.source`` of work items an env worker rejected (undecodable): ``stream_seq`` is the sequence in the
+dead-letter stream, the work item's own is the stored ``Rollout-Dead-Seq`` header."""
+DEAD_LETTER_STREAM_SOURCE = "dead-letter-stream"
+"""``dead_letters.source`` of any other message of the dead-letter stream."""
 
 _T = TypeVar("_T")
 
@@ -195,7 +211,15 @@ class EventConsumer:
 
 
 class AdvisoryConsumer:
-    """Turns max-deliveries advisories of the work queue into dead letters and ``EpisodeFailed(infra)`` events."""
+    """Turns max-deliveries advisories of the work queue into dead letters and ``EpisodeFailed(infra)`` events.
+
+    An advisory's body is not trusted: the stream is always ``RL_WORK`` and the consumer ``env-workers`` (an
+    advisory naming anything else is dead-lettered, and nothing is read or deleted), and its sequence must be a
+    work item the work consumer delivered and never acked (above its ack floor, at most its delivered sequence),
+    stored on the work subject, after as many deliveries as the consumer allows. Only then is the item
+    dead-lettered, its episode failed and the item deleted. (Who may publish advisories at all is NATS's part:
+    no service user may publish on ``$JS.EVENT.>``.)
+    """
 
     def __init__(self, settings: RecorderSettings, store: Store, js: JetStreamContext,
                  psub: JetStreamContext.PullSubscription, metrics: RecorderMetrics, shutdown: Shutdown) -> None:
@@ -227,45 +251,82 @@ class AdvisoryConsumer:
                 log.warning("recorder.advisory_retry", delay_s=delay, error=str(exc))
                 await sleep_or_shutdown(self.shutdown, delay)
 
+    async def _refuse(self, msg: Msg, reason: str) -> None:
+        """Dead-letter an advisory that is unreadable or not to be trusted; nothing else happens."""
+        async with self.store.transaction() as tx:
+            await tx.add_dead_letters([DeadLetter(ADVISORY_SOURCE, msg.subject, int(msg.metadata.sequence.stream),
+                                                  reason, bytes(msg.data),
+                                                  dict(msg.headers) if msg.headers else None)])
+        self.metrics.dead_letters.labels(reason_class="advisory").inc()
+        log.error("recorder.advisory_refused", reason=reason)
+        await msg.ack()
+
+    async def _unacked_delivery(self, seq: int, deliveries: int) -> str | None:
+        """Why work item ``seq`` is not one the work consumer gave up on (None when it is)."""
+        try:
+            info = await self.js.consumer_info(WORK_STREAM, WORK_CONSUMER)
+        except Exception as exc:
+            raise BusError(f"cannot read the work consumer's state: {exc}") from exc
+        delivered = int(info.delivered.stream_seq or 0) if info.delivered else 0
+        floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+        if seq > delivered:
+            return f"work item #{seq} was never delivered (the work consumer delivered up to #{delivered})"
+        if seq <= floor:
+            return f"work item #{seq} was acked (the work consumer's ack floor is #{floor})"
+        max_deliver = int(info.config.max_deliver or -1)
+        if max_deliver > 0 and deliveries < max_deliver:
+            return f"{deliveries} deliveries is fewer than the work consumer's max_deliver {max_deliver}"
+        return None
+
     async def handle(self, msg: Msg) -> None:
         """Dead-letter the work item, publish the episode's infra failure, delete the item, ack the advisory."""
         try:
             adv = orjson.loads(msg.data)
-            stream = str(adv.get("stream") or WORK_STREAM)
+            if not isinstance(adv, dict):
+                raise TypeError(f"a JSON {type(adv).__name__}, not an object")
+            named = (adv.get("stream"), adv.get("consumer"))
             seq = int(adv["stream_seq"])
             deliveries = int(adv.get("deliveries") or 0)
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-            async with self.store.transaction() as tx:
-                await tx.add_dead_letters([DeadLetter(ADVISORY_SOURCE, msg.subject, int(msg.metadata.sequence.stream),
-                                                      f"unreadable advisory: {exc}", bytes(msg.data), None)])
-            self.metrics.dead_letters.labels(reason_class="advisory").inc()
-            await msg.ack()
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as exc:
+            await self._refuse(msg, f"unreadable advisory: {type(exc).__name__}: {exc}")
             return
-
-        payload: bytes | None
-        subject = ""
-        headers: dict[str, str] | None = None
-        try:
-            raw = await self.js.get_msg(stream, seq)
-            payload, subject = bytes(raw.data or b""), str(raw.subject or "")
-            headers = dict(raw.headers) if raw.headers else None
-        except NotFoundError:
-            payload = None
-        except Exception as exc:
-            raise BusError(f"cannot read work item {stream}#{seq}: {exc}") from exc
+        if msg.subject != WORK_MAX_DELIVERIES_ADVISORY or named != (WORK_STREAM, WORK_CONSUMER):
+            await self._refuse(msg, f"untrusted advisory: names stream {named[0]!r} consumer {named[1]!r} on "
+                                    f"{msg.subject}; only {WORK_STREAM}/{WORK_CONSUMER} max-deliveries advisories "
+                                    "are acted on")
+            return
+        if seq < 1:
+            await self._refuse(msg, f"untrusted advisory: stream_seq {seq} is not a stream sequence")
+            return
+        stream = WORK_STREAM  # never the body's: only the work queue's items are ever deleted
 
         reason = (f"env worker died {deliveries} times running this episode: the work item was delivered "
                   f"{deliveries} times without an ack (max deliveries reached)")
         async with self.store.transaction() as tx:
-            if payload is None:
-                payload = await tx.dead_letter_payload(WORK_QUEUE_SOURCE, seq)  # replay: already stored
-            else:
+            stored = await tx.dead_letter_payload(WORK_QUEUE_SOURCE, seq)  # a replayed advisory: already stored
+        if stored is not None:
+            payload = stored
+        else:
+            why = await self._unacked_delivery(seq, deliveries)
+            if why is not None:
+                await self._refuse(msg, f"untrusted advisory: {why}")
+                return
+            try:
+                raw = await self.js.get_msg(stream, seq)
+            except NotFoundError:
+                await self._refuse(msg, f"untrusted advisory: no work item #{seq} on {stream}")
+                return
+            except Exception as exc:
+                raise BusError(f"cannot read work item {stream}#{seq}: {exc}") from exc
+            payload, subject = bytes(raw.data or b""), str(raw.subject or "")
+            if subject != WORK_SUBJECT:
+                await self._refuse(msg, f"untrusted advisory: message #{seq} of {stream} is on {subject}, "
+                                        f"not {WORK_SUBJECT}")
+                return
+            headers = dict(raw.headers) if raw.headers else None
+            async with self.store.transaction() as tx:
                 await tx.add_dead_letters([DeadLetter(WORK_QUEUE_SOURCE, subject, seq, reason, payload, headers)])
-        if payload is None:
-            log.warning("recorder.advisory_without_work_item", stream=stream, stream_seq=seq)
-            await msg.ack()
-            return
-        self.metrics.dead_letters.labels(reason_class="work_queue").inc()
+            self.metrics.dead_letters.labels(reason_class="work_queue").inc()
 
         try:
             item = decode_as(payload, EpisodeRequested)
@@ -286,3 +347,63 @@ class AdvisoryConsumer:
         except Exception as exc:
             raise BusError(f"cannot delete work item {stream}#{seq}: {exc}") from exc
         await msg.ack()
+
+
+class DeadLetterConsumer:
+    """Stores the messages of the dead-letter stream (work items an env worker rejected) as ``dead_letters`` rows.
+
+    Everything on the stream is stored as it came, whatever it holds: the rejected message's subject, stream
+    sequence and why come from the headers the rejecting service set (``Rollout-Dead-*``); a message without them is
+    stored under its own subject. ``stream_seq`` is the message's sequence in the dead-letter stream (a replay
+    stores nothing twice); the original sequence is in the stored headers.
+    """
+
+    def __init__(self, settings: RecorderSettings, store: Store, psub: JetStreamContext.PullSubscription,
+                 metrics: RecorderMetrics, shutdown: Shutdown) -> None:
+        self.settings = settings
+        self.store = store
+        self.psub = psub
+        self.metrics = metrics
+        self.shutdown = shutdown
+
+    async def run(self) -> None:
+        while not self.shutdown.requested:
+            msgs = await bus.fetch(self.psub, self.settings.advisory_batch_size, self.settings.fetch_timeout_s)
+            if msgs:
+                await self._with_retry(msgs)
+
+    async def _with_retry(self, msgs: list[Msg]) -> None:
+        backoff = Backoff(self.settings.retry_initial_s, self.settings.retry_max_s)
+        while True:
+            try:
+                async with bus.keep_in_progress(msgs, max(0.5, self.settings.ack_wait_s / 3)):
+                    await self.handle(msgs)
+                return
+            except StoreError as exc:
+                if not exc.retryable or self.shutdown.requested:
+                    log.error("recorder.dead_letter_store_failed", error=str(exc), retryable=exc.retryable)
+                    return  # not acked: redelivered after ack_wait
+                delay = backoff.delay()
+                log.warning("recorder.dead_letter_retry", delay_s=delay, error=str(exc))
+                await sleep_or_shutdown(self.shutdown, delay)
+
+    async def handle(self, msgs: list[Msg]) -> None:
+        letters = [dead_letter_of(m) for m in msgs]
+        async with self.store.transaction() as tx:
+            await tx.add_dead_letters(letters)
+        for msg in msgs:
+            with contextlib.suppress(Exception):  # a lost ack means a redelivery, which stores nothing twice
+                await msg.ack()
+        self.metrics.dead_letters.labels(reason_class="rejected_work").inc(len(letters))
+        log.warning("recorder.rejected_messages_stored", count=len(letters))
+
+
+def dead_letter_of(msg: Msg) -> DeadLetter:
+    """The ``dead_letters`` row of one message of the dead-letter stream."""
+    headers = {str(k): str(v) for k, v in msg.headers.items()} if msg.headers else {}
+    subject = headers.get(DEAD_SUBJECT_HEADER) or msg.subject
+    reason = headers.get(DEAD_REASON_HEADER) or f"no {DEAD_REASON_HEADER} header"
+    if DEAD_TRUNCATED_HEADER in headers:
+        reason += f" (payload cut to {DEAD_LETTER_MAX_PAYLOAD} of {headers[DEAD_TRUNCATED_HEADER]} bytes)"
+    source = REJECTED_WORK_SOURCE if msg.subject == WORK_DEAD_LETTER_SUBJECT else DEAD_LETTER_STREAM_SOURCE
+    return DeadLetter(source, subject, int(msg.metadata.sequence.stream), reason, bytes(msg.data), headers or None)

@@ -16,13 +16,16 @@ from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_
 from rollout_ledger.shared.subjects import (
     ADVISORY_CONSUMER,
     ADVISORY_STREAM,
+    DEAD_LETTER_CONSUMER,
+    DEAD_LETTER_STREAM,
+    DEAD_LETTER_SUBJECT_PREFIX,
     EVENTS_STREAM,
     RECORDER_CONSUMER,
     WORK_MAX_DELIVERIES_ADVISORY,
     ConsumerSpec,
 )
 
-from .consumer import AdvisoryConsumer, EventConsumer
+from .consumer import AdvisoryConsumer, DeadLetterConsumer, EventConsumer
 from .metrics import RecorderMetrics
 from .settings import RecorderSettings
 from .store import Store
@@ -40,6 +43,19 @@ def advisory_consumer_spec(ack_wait_s: float) -> ConsumerSpec:
         max_deliver=-1,
         max_ack_pending=1000,
         description="recorder marks episodes failed (infra) when their work item ran out of deliveries",
+    )
+
+
+def dead_letter_consumer_spec(ack_wait_s: float) -> ConsumerSpec:
+    """The recorder's consumer of the dead-letter stream (what services without a database rejected)."""
+    return ConsumerSpec(
+        stream=DEAD_LETTER_STREAM,
+        durable=DEAD_LETTER_CONSUMER,
+        filter_subject=f"{DEAD_LETTER_SUBJECT_PREFIX}.>",
+        ack_wait_s=ack_wait_s,
+        max_deliver=-1,
+        max_ack_pending=1000,
+        description="recorder stores rejected messages (undecodable work items) in dead_letters",
     )
 
 
@@ -91,9 +107,11 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
         await bus.ensure_topology(js, settings.stream_replicas)
         await bus.ensure_consumer(js, bus.recorder_consumer_spec(settings.ack_wait_s, settings.max_ack_pending))
         await bus.ensure_consumer(js, advisory_consumer_spec(settings.ack_wait_s))
+        await bus.ensure_consumer(js, dead_letter_consumer_spec(settings.ack_wait_s))
         events_sub = await js.pull_subscribe_bind(RECORDER_CONSUMER, EVENTS_STREAM)
         advisory_sub = await js.pull_subscribe_bind(ADVISORY_CONSUMER, ADVISORY_STREAM)
-        subs += [events_sub, advisory_sub]
+        dead_sub = await js.pull_subscribe_bind(DEAD_LETTER_CONSUMER, DEAD_LETTER_STREAM)
+        subs += [events_sub, advisory_sub, dead_sub]
 
         conn = nc
         health.checks["nats"] = lambda: conn.is_connected
@@ -103,8 +121,10 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
 
         events = EventConsumer(settings, store, nc, events_sub, metrics, shutdown, on_store)
         advisories = AdvisoryConsumer(settings, store, js, advisory_sub, metrics, shutdown)
+        rejected = DeadLetterConsumer(settings, store, dead_sub, metrics, shutdown)
         tasks = [asyncio.create_task(events.run(), name="recorder-events"),
                  asyncio.create_task(advisories.run(), name="recorder-advisories"),
+                 asyncio.create_task(rejected.run(), name="recorder-dead-letters"),
                  asyncio.create_task(_poll_pending(events_sub, metrics, settings, shutdown), name="recorder-pending")]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

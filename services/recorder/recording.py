@@ -26,6 +26,7 @@ group normalisation. Step rewards stay in ``steps`` for whoever wants partial re
 from __future__ import annotations
 
 import enum
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -44,6 +45,7 @@ from rollout_ledger.shared.events import (
 )
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus
+from rollout_ledger.shared.subjects import event_subject
 
 from .assembly import Incomplete, StepRecord, TurnRecord, assemble, pair_records
 from .store import AttemptFailure, DeadLetter, EpisodeRow, Finish, TrajectoryWrite, Tx
@@ -100,6 +102,20 @@ def dead_letter_for(d: Delivery, reason: str) -> DeadLetter:
     return DeadLetter(SOURCE, d.subject, d.stream_seq, reason, d.payload, d.headers)
 
 
+def _out_of_place(d: Delivery, ev: Event) -> tuple[str, str] | None:
+    """Why a decoded event must not be recorded as it stands (reason, reason class), or None.
+
+    An event travels on the subject of its type (``bus.publish_event``): one on another subject was not published by
+    a service. A reward is a finite number (a NaN one would turn every mean over it into NaN)."""
+    expected = event_subject(ev.type)
+    if d.subject != expected:
+        return f"out of place: a {ev.type} event on subject {d.subject} (expected {expected})", "out_of_place"
+    reward = ev.reward if isinstance(ev, StepCompleted | EpisodeFinished) else None
+    if reward is not None and not math.isfinite(reward):
+        return f"non-finite reward {reward!r} in {ev.type} {ev.event_id}", "non_finite_reward"
+    return None
+
+
 _RECORDED = (EpisodeStarted, TurnGenerated, StepCompleted, EpisodeFinished, EpisodeFailed, EpisodeCancelled)
 
 
@@ -119,6 +135,12 @@ async def record_batch(tx: Tx, batch: list[Delivery], assembly_max_deliveries: i
     terminals: list[tuple[int, TerminalEvent]] = []
     changed: set[str] = set()  # episodes whose state this batch may change (started, terminal): always reconciled
 
+    def refuse(i: int, reason: str, reason_class: str) -> None:
+        letters.append(dead_letter_for(batch[i], reason))
+        out.dead_letters[reason_class] += 1
+        out.actions[i] = Action.TERM
+
+    candidates: list[tuple[int, Event]] = []
     for i, d in enumerate(batch):
         ev = d.event
         if d.error_class == NEWER_CONTRACT:
@@ -126,10 +148,31 @@ async def record_batch(tx: Tx, batch: list[Delivery], assembly_max_deliveries: i
             out.parked += 1
             continue
         if ev is None or not isinstance(ev, _RECORDED):
-            reason = d.error or f"unexpected event type {getattr(ev, 'type', '?')} on the event stream"
-            letters.append(dead_letter_for(d, reason))
-            out.dead_letters[d.error_class or "unexpected_type"] += 1
-            out.actions[i] = Action.TERM
+            refuse(i, d.error or f"unexpected event type {getattr(ev, 'type', '?')} on the event stream",
+                   d.error_class or "unexpected_type")
+            continue
+        refusal = _out_of_place(d, ev)
+        if refusal is not None:
+            refuse(i, *refusal)
+            continue
+        candidates.append((i, ev))
+
+    # Every row belongs to an episode the scheduler stored (it inserts the row before publishing the work item):
+    # an event for any other episode is hostile or corrupt, and leaves no row (the foreign keys say so too).
+    owners = await tx.episode_owners([ev.episode_id for _, ev in candidates])
+    for i, ev in candidates:
+        owner = owners.get(ev.episode_id)
+        if owner is None:
+            refuse(i, f"unknown episode {ev.episode_id}: the scheduler stored no such episode", "unknown_episode")
+            continue
+        if owner.batch_id != ev.batch_id:
+            refuse(i, f"episode {ev.episode_id} belongs to batch {owner.batch_id}, the event names batch "
+                   f"{ev.batch_id}", "unknown_episode")
+            continue
+        if isinstance(ev, EpisodeCancelled) and not owner.batch_cancelled:
+            # Only the scheduler cancels (it stamps batches.cancelled_at before telling the env workers).
+            refuse(i, f"episode.cancelled for episode {ev.episode_id} of batch {ev.batch_id}, which the scheduler "
+                   "did not cancel", "unauthorised_cancel")
             continue
         if isinstance(ev, EpisodeStarted):
             started.append((i, ev))

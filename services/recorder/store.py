@@ -137,6 +137,15 @@ class EpisodeRow:
 
 
 @dataclass(frozen=True)
+class EpisodeOwner:
+    """What the recorder checks an event against before writing a row for it: the episode's stored batch."""
+
+    batch_id: str
+    batch_cancelled: bool
+    """The scheduler stamped the batch's ``cancelled_at`` (the only authority for ``episode.cancelled``)."""
+
+
+@dataclass(frozen=True)
 class DeadLetter:
     """A message the recorder gave up on, with why."""
 
@@ -366,6 +375,17 @@ class Tx:
     async def insert_steps(self, events: Sequence[StepCompleted]) -> None:
         if events:
             await self._copy_rows(STEPS, events, "step.completed")
+
+    async def episode_owners(self, episode_ids: Sequence[str]) -> dict[str, EpisodeOwner]:
+        """Which of these episodes the scheduler stored: each one's batch and whether that batch is cancelled."""
+        if not episode_ids:
+            return {}
+        async with self.pg.cursor() as cur:
+            await cur.execute(
+                "SELECT e.id, e.batch_id, b.cancelled_at IS NOT NULL FROM episodes e "
+                "JOIN batches b ON b.id = e.batch_id WHERE e.id = ANY(%s)", (sorted(set(episode_ids)),))
+            rows = await cur.fetchall()
+        return {r[0]: EpisodeOwner(r[1], bool(r[2])) for r in rows}
 
     async def lock_episodes(self, episode_ids: Sequence[str]) -> dict[str, EpisodeRow]:
         """The episode rows of these ids, locked FOR UPDATE (in id order, so concurrent recorders never deadlock)."""
