@@ -122,7 +122,8 @@ def run_system(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str,
         assert stack.stack is not None
         worker = next(p for p in stack.stack.procs if p.service == "inference-worker")
         assert worker.proc is not None
-        http = httpx.Client(base_url=stack.scheduler_url, timeout=30)
+        http = httpx.Client(base_url=stack.scheduler_url, timeout=30,
+                            headers={"Authorization": f"Bearer {stack.api_token}"})
         tasks = [{"turns": args.turns, "topic": TOPICS[i % len(TOPICS)]} for i in range(args.episodes)]
         body = {"env": "fixed-turns", "tasks": tasks, "group_size": 1, "max_turns": args.turns,
                 "sampling": {"temperature": args.temperature, "max_tokens": args.max_tokens}}

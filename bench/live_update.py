@@ -126,6 +126,8 @@ class Episodes(Observed):
     max_tokens: int = 32
     low_water: int = 16
     env_url: str = ""
+    api_headers: dict[str, str] | None = None
+    """The scheduler's bearer token header."""
 
     async def observe(self, nc: bus.NATS) -> None:
         async def on_turn(msg: bus.Msg) -> None:
@@ -135,7 +137,7 @@ class Episodes(Observed):
         await nc.subscribe(event_subject("turn.generated"), cb=on_turn)
 
     async def feed(self, js: bus.JetStreamContext) -> None:
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=30, headers=self.api_headers) as client:
             while not self.stop.is_set():
                 if (await js.stream_info(WORK_STREAM)).state.messages < self.low_water:
                     r = await client.post(f"{self.url}/v1/batches", json={
@@ -222,7 +224,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, object]]:
                                          ROLLOUT_INFERENCE_MAX_TRIES="1000", ROLLOUT_INFERENCE_BACKOFF_MAX_S="0.5",
                                          ROLLOUT_INFERENCE_REQUEST_TIMEOUT_S="600")
                 episodes = Episodes(url=url, turns=args.turns, max_tokens=args.max_tokens,
-                                    low_water=2 * args.streams, env_url=env_worker.url)
+                                    low_water=2 * args.streams, env_url=env_worker.url,
+                                    api_headers=stack.api_headers)
                 await episodes.observe(nc)
                 streams = [asyncio.create_task(episodes.feed(nc.jetstream()))]
                 load = episodes
@@ -235,7 +238,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, object]]:
                 ckpt = copy_checkpoint(model_dir, work / f"v{version}")
 
                 async def announce(v: int = version, m: str = mode, c: Path = ckpt) -> None:
-                    async with httpx.AsyncClient(timeout=30) as client:
+                    async with httpx.AsyncClient(timeout=30, headers=stack.api_headers) as client:
                         r = await client.post(f"{url}/v1/policy/versions",
                                               json={"version": v, "checkpoint": str(c), "mode": m})
                     r.raise_for_status()

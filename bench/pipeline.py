@@ -114,6 +114,7 @@ def run_pipeline(stack: DevStack, episodes: int, turns: int, max_tokens: int = 1
     tasks = [{"turns": turns}] * episodes
     t0 = time.perf_counter()
     resp = httpx.post(f"{stack.scheduler_url}/v1/batches", timeout=120,
+                      headers={"Authorization": f"Bearer {stack.api_token}"},
                       json={"env": "fixed-turns", "tasks": tasks, "group_size": 1, "max_turns": turns,
                             "sampling": {"max_tokens": max_tokens, "temperature": 1.0}})
     resp.raise_for_status()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,54 @@ def load_tasks(tasks_file: str | None, inline: list[str] | None, num_tasks: int)
     return [{"seed": i} for i in range(num_tasks)]
 
 
+def local_stack_file() -> Path:
+    """Where ``rollout up`` / ``rollout demo`` leave their scheduler's URL and token for the CLI (mode 0600)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "rollout-ledger" / "local-stack.json"
+
+
+def save_local_stack(url: str, token: str) -> Path:
+    """Record the local stack's scheduler URL and token (readable by this user only)."""
+    path = local_stack_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": url.rstrip("/"), "token": token}, f)
+    os.replace(path.with_suffix(".tmp"), path)
+    return path
+
+
+def forget_local_stack(url: str) -> None:
+    """Remove the record when it is this stack's (another stack may have written it since)."""
+    path = local_stack_file()
+    try:
+        if json.loads(path.read_text()).get("url") == url.rstrip("/"):
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        return
+
+
+def resolve_token(url: str, token: str | None = None) -> str | None:
+    """The bearer token for ``url``: the one given (``--token`` / ROLLOUT_API_TOKEN), else the local stack's when
+    ``url`` is its scheduler, else none."""
+    if token:
+        return token
+    if os.environ.get("ROLLOUT_API_TOKEN"):
+        return os.environ["ROLLOUT_API_TOKEN"]
+    try:
+        saved = json.loads(local_stack_file().read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(saved, dict) and saved.get("url") == url.rstrip("/") and isinstance(saved.get("token"), str):
+        return str(saved["token"])
+    return None
+
+
 class SchedulerClient:
+    """The scheduler's API over HTTP, with the bearer token of ``resolve_token``."""
+
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        token = resolve_token(url, token)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
 

@@ -89,7 +89,7 @@ def run_demo(num_tasks: int = 4, group_size: int = 4, out: Path = Path("exports"
     console.print(f"[bold]Rollout Ledger demo[/bold] — engine: {engine}{hint}")
     with DevStack(scheduler_port=None, engine=engine, echo=console.print) as stack:
         console.print(f"services up in {time.monotonic() - t0:.1f}s\n{stack.describe().rsplit(chr(10), 1)[0]}")
-        client = SchedulerClient(stack.scheduler_url)
+        client = SchedulerClient(stack.scheduler_url, stack.api_token)
         batch_ids: list[str] = []
         labels: list[str] = []
         submitted = 0
@@ -189,7 +189,7 @@ def run_rl_demo(iterations: int = 6, num_tasks: int = 8, group_size: int = 4, co
                "--out", str(stack.infra.root / "checkpoints"), "--iterations", str(iterations),
                "--num-tasks", str(num_tasks), "--group-size", str(group_size), "--metrics-out", str(metrics),
                *trainer_args]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ROLLOUT_API_TOKEN": stack.api_token}
         t_train = time.monotonic()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
             assert proc.stdout is not None

@@ -49,6 +49,23 @@ def db_upgrade(
     typer.echo(f"database at revision {revision}")
 
 
+@db_app.command("create-login")
+def db_create_login(
+    service: str = typer.Argument(..., help="scheduler | recorder | exporter | feed-prune | scorer"),
+    user: str = typer.Argument(..., help="the login user to create (or update)"),
+    password_env: str = typer.Option("ROLLOUT_DB_LOGIN_PASSWORD",
+                                     help="environment variable holding its password (never an argument)"),
+    database_url: str = typer.Option(None, envvar="DATABASE_URL", help="the owner's Postgres DSN"),
+) -> None:
+    """Create a login USER for SERVICE's role (migration 0012) with the password in $PASSWORD_ENV."""
+    from rollout_ledger.migrations.logins import create_login
+
+    if not database_url:
+        raise typer.BadParameter("set DATABASE_URL or pass --database-url")
+    create_login(database_url, service, user, os.environ.get(password_env, ""))
+    typer.echo(f"login {user} is a member of {service}'s role", err=True)
+
+
 @db_app.command("wait-schema")
 def db_wait_schema(
     database_url: str = typer.Option(None, envvar="DATABASE_URL", help="Postgres DSN"),
@@ -130,7 +147,7 @@ def submit(
     episodes_per_version: int = typer.Option(None, help="with a staleness bound: admit at most "
                                              "(versions pushed since submission + k + 1) x this many episodes"),
     url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
-    token: str = typer.Option(None, envvar="ROLLOUT_API_TOKEN", help="bearer token, if the scheduler wants one"),
+    token: str = typer.Option(None, envvar="ROLLOUT_API_TOKEN", help="bearer token (default: `rollout up`'s)"),
     wait: bool = typer.Option(True, help="show a progress bar until the batch is done"),
 ) -> None:
     """Submit a batch of episodes to the scheduler and follow it to the end."""
@@ -197,7 +214,7 @@ def policy_push(
     notes: str = typer.Option("", help="free text stored with the version"),
     check: bool = typer.Option(True, help="refuse a local directory without config.json and safetensors"),
     url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
-    token: str = typer.Option(None, envvar="ROLLOUT_API_TOKEN", help="bearer token, if the scheduler wants one"),
+    token: str = typer.Option(None, envvar="ROLLOUT_API_TOKEN", help="bearer token (default: `rollout up`'s)"),
 ) -> None:
     """Announce CHECKPOINT as policy version N: every inference worker loads it into its running engine."""
     from pathlib import Path

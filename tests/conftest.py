@@ -28,6 +28,7 @@ from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.settings import default_model_dir, normalize_database_url
 from rollout_ledger.shared.subjects import BUCKETS, STREAMS
+from tests.helpers import API_TOKEN
 
 
 @dataclass
@@ -156,7 +157,7 @@ def stack(nats_url: str, database_url: str, model_dir: str, tmp_path: Path,
           request: pytest.FixtureRequest) -> Iterator[Stack]:
     """Real service processes on the test's NATS and database; logs printed when the test fails."""
     logs = tmp_path / "logs"
-    with Stack(nats_url, database_url, logs, env={"ROLLOUT_MODEL": model_dir}) as st:
+    with Stack(nats_url, database_url, logs, env={"ROLLOUT_MODEL": model_dir}, api_token=API_TOKEN) as st:
         yield st
         failed = getattr(request.node, "rep_call", None)
         if failed is not None and failed.failed:

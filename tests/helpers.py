@@ -1,4 +1,5 @@
-"""Small helpers for tests: wait on a condition with a deadline (sync or async), run SQL, read Prometheus counters."""
+"""Small helpers for tests: wait on a condition with a deadline (sync or async), run SQL, read Prometheus counters,
+the scheduler's test token."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from sqlalchemy import create_engine, text
 from rollout_ledger.migrations.runner import sync_url
 
 T = TypeVar("T")
+
+API_TOKEN = "tests-api-token-0123456789"
+"""ROLLOUT_API_TOKEN of the schedulers the ``stack`` fixture starts (scopes read and write)."""
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
+"""Headers of a client of those schedulers."""
 
 
 def wait_for(cond: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.1) -> T:

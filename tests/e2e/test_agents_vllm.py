@@ -15,7 +15,7 @@ from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.exporter.records import spans
 from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
-from tests.helpers import Sql, wait_for
+from tests.helpers import AUTH, Sql, wait_for
 from tests.integration.test_agents import agent_env, check_segments
 from tests.integration.test_pipeline import check_token_exact
 
@@ -39,13 +39,14 @@ def test_openai_sdk_agents_on_the_real_model(stack: Stack, database_url: str, mo
         ("raises", [{"question": "Hi"}], {}),
         ("guess-number", [{"seed": 7}], {"context": {"policy": "window", "window_turns": 1}}),
     ):
-        resp = httpx.post(f"{url}/v1/batches", timeout=30, json={
+        resp = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
             "env": env, "tasks": tasks, "group_size": 1, "max_turns": 3, "sampling": SAMPLING, **extra})
         assert resp.status_code == 201, resp.text
         batches[env] = resp.json()["batch_id"]
 
     def all_done() -> bool:
-        return all(httpx.get(f"{url}/v1/batches/{b}", timeout=10).json()["done"] for b in batches.values())
+        return all(httpx.get(f"{url}/v1/batches/{b}", headers=AUTH, timeout=10).json()["done"]
+                   for b in batches.values())
 
     wait_for(all_done, 600, "every agent batch to finish on the real engine", interval_s=0.5)
     sql = Sql(database_url)

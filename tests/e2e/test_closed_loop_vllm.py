@@ -82,7 +82,8 @@ def test_two_grpo_iterations_train_through_the_ledger(model_dir: str, monkeypatc
 
     def inspect(stack: DevStack, results: list[dict[str, Any]]) -> None:
         seen["results"] = results
-        seen["policy"] = httpx.get(f"{stack.scheduler_url}/v1/policy", timeout=30).json()
+        seen["policy"] = httpx.get(f"{stack.scheduler_url}/v1/policy", timeout=30,
+                                   headers={"Authorization": f"Bearer {stack.api_token}"}).json()
         url = libpq_url(stack.infra.database_url)
         with psycopg.connect(url) as conn:
             seen["versions"] = [r[0] for r in conn.execute("SELECT version FROM policy_versions ORDER BY 1")]

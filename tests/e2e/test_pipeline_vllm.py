@@ -17,7 +17,7 @@ from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.exporter.audit import audit_batch, load_model
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
-from tests.helpers import Sql, wait_for
+from tests.helpers import AUTH, Sql, wait_for
 from tests.integration.test_pipeline import check_token_exact
 
 pytestmark = pytest.mark.e2e
@@ -39,14 +39,15 @@ def test_real_model_episodes_are_token_exact(stack: Stack, database_url: str, mo
     for env, tasks, max_turns, max_tokens in (("arithmetic", [{"seed": i} for i in range(3)], 1, 24),
                                               ("guess-number", [{"seed": 7}], 3, 24),
                                               ("retail-orders", [{"seed": 3}], 2, 48)):
-        resp = httpx.post(f"{url}/v1/batches", timeout=30, json={
+        resp = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
             "env": env, "tasks": tasks, "group_size": 2, "max_turns": max_turns,
             "sampling": {"temperature": 1.0, "max_tokens": max_tokens}})
         assert resp.status_code == 201, resp.text
         batches[env] = resp.json()["batch_id"]
 
     def all_done() -> bool:
-        return all(httpx.get(f"{url}/v1/batches/{b}", timeout=10).json()["done"] for b in batches.values())
+        return all(httpx.get(f"{url}/v1/batches/{b}", headers=AUTH, timeout=10).json()["done"]
+                   for b in batches.values())
 
     wait_for(all_done, 300, "both batches to finish on the real engine", interval_s=0.5)
     sql = Sql(database_url)
@@ -109,12 +110,12 @@ def test_history_rewriting_template_on_the_real_model(stack: Stack, database_url
     stack.start("env-worker", ROLLOUT_MAX_MODEL_LEN=str(E2E_MAX_MODEL_LEN), ROLLOUT_CHAT_TEMPLATE=str(template))
     stack.start("recorder")
     url = stack.start("scheduler").url
-    resp = httpx.post(f"{url}/v1/batches", timeout=30, json={
+    resp = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
         "env": "fixed-turns", "tasks": [{"turns": 3}], "group_size": 2, "max_turns": 3,
         "sampling": {"temperature": 1.0, "max_tokens": 16}})
     assert resp.status_code == 201, resp.text
     batch_id = resp.json()["batch_id"]
-    wait_for(lambda: httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()["done"], 300,
+    wait_for(lambda: httpx.get(f"{url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()["done"], 300,
              "the batch to finish on the real engine", interval_s=0.5)
     sql = Sql(database_url)
     tok = ChatTokenizer(model_dir, chat_template=REWRITING_TEMPLATE)

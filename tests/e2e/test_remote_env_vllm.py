@@ -12,7 +12,7 @@ import pytest
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
-from tests.helpers import Sql, wait_for
+from tests.helpers import AUTH, Sql, wait_for
 from tests.integration.test_pipeline import check_token_exact
 from tests.integration.test_remote_env import EnvServerProcess
 
@@ -31,14 +31,15 @@ def test_real_model_on_a_remote_env_is_token_exact(stack: Stack, database_url: s
         batches = {}
         for env, tasks, max_turns in (("remote:arithmetic", [{"seed": i} for i in range(2)], 1),
                                       ("remote:guess-number", [{"seed": 7}], 3)):
-            resp = httpx.post(f"{url}/v1/batches", timeout=30, json={
+            resp = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
                 "env": env, "tasks": tasks, "group_size": 2, "max_turns": max_turns,
                 "sampling": {"temperature": 1.0, "max_tokens": 24}})
             assert resp.status_code == 201, resp.text
             batches[env] = resp.json()["batch_id"]
 
         def all_done() -> bool:
-            return all(httpx.get(f"{url}/v1/batches/{b}", timeout=10).json()["done"] for b in batches.values())
+            return all(httpx.get(f"{url}/v1/batches/{b}", headers=AUTH, timeout=10).json()["done"]
+                       for b in batches.values())
 
         wait_for(all_done, 300, "the remote-env batches to finish on the real engine", interval_s=0.5)
         sql = Sql(database_url)

@@ -40,7 +40,7 @@ from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
 from rollout_ledger.services.exporter.audit import load_model, recompute
 from tests.e2e.conftest import E2E_DTYPE, ENGINE_START_TIMEOUT_S, require_vllm
 from tests.e2e.test_live_weights_vllm import perturbed
-from tests.helpers import Sql, metric, wait_for
+from tests.helpers import AUTH, Sql, metric, wait_for
 from tests.integration.test_pipeline import check_token_exact
 
 pytestmark = pytest.mark.e2e
@@ -97,7 +97,7 @@ class Run:
         return self.worker
 
     def report(self) -> dict[str, Any] | None:
-        for w in httpx.get(f"{self.url}/v1/policy", timeout=10).json()["workers"]:
+        for w in httpx.get(f"{self.url}/v1/policy", headers=AUTH, timeout=10).json()["workers"]:
             if w["worker_id"] == WORKER:
                 return dict(w)
         return None
@@ -110,7 +110,7 @@ class Run:
         return wait_for(reached, timeout_s, f"{WORKER} to report {state} for version {version}", interval_s=0.05)
 
     def push(self, version: int, checkpoint: Path, mode: str) -> None:
-        r = httpx.post(f"{self.url}/v1/policy/versions", timeout=10,
+        r = httpx.post(f"{self.url}/v1/policy/versions", headers=AUTH, timeout=10,
                        json={"version": version, "checkpoint": str(checkpoint), "mode": mode})
         assert r.status_code == 201, r.text
 
@@ -125,7 +125,7 @@ class Run:
 
     def submitted(self, tasks: list[dict[str, Any]], max_turns: int, sampling: dict[str, Any] | None = None,
                   **extra: Any) -> dict[str, Any]:
-        r = httpx.post(f"{self.url}/v1/batches", timeout=30, json={
+        r = httpx.post(f"{self.url}/v1/batches", headers=AUTH, timeout=30, json={
             "env": "fixed-turns", "tasks": tasks, "group_size": 2, "max_turns": max_turns,
             "sampling": sampling or SAMPLING, **extra})
         assert r.status_code == 201, r.text
@@ -137,7 +137,7 @@ class Run:
 
     def wait_done(self, batch_id: str, timeout_s: float = 240) -> None:
         def done() -> bool:
-            return bool(httpx.get(f"{self.url}/v1/batches/{batch_id}", timeout=10).json()["done"])
+            return bool(httpx.get(f"{self.url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()["done"])
 
         wait_for(done, timeout_s, f"batch {batch_id} to finish", interval_s=0.25)
         statuses = {r["status"] for r in self.sql.rows(

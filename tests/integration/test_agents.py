@@ -24,7 +24,7 @@ from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import ENVS_BUCKET
 from tests.agents import AGENTS_SETTING
-from tests.helpers import Sql, wait_for
+from tests.helpers import AUTH, Sql, wait_for
 from tests.integration.test_env_worker import terminal_of, work_item
 from tests.integration.test_pipeline import check_token_exact
 from tests.integration.test_tool_env import ScriptedPolicy
@@ -97,7 +97,7 @@ async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NAT
         item = held if name == "held" else work_item(name, task, max_turns=4)
         policy.scripts[item.episode_id] = script
         items[name] = item
-        resp = await asyncio.to_thread(httpx.post, f"{url}/v1/batches", timeout=30, json={
+        resp = await asyncio.to_thread(httpx.post, f"{url}/v1/batches", headers=AUTH, timeout=30, json={
             "env": item.env, "tasks": [task], "max_turns": 4, "batch_id": item.batch_id,
             "sampling": {"max_tokens": 32}})
         assert resp.status_code == 201, resp.text

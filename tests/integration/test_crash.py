@@ -15,18 +15,18 @@ import httpx
 from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import EVENTS_STREAM, event_subject
-from tests.helpers import Sql, metric, wait_for
+from tests.helpers import AUTH, Sql, metric, wait_for
 from tests.integration.test_pipeline import check_token_exact
 
 
 def post(url: str, **body: object) -> str:
-    resp = httpx.post(f"{url}/v1/batches", json=body, timeout=30)
+    resp = httpx.post(f"{url}/v1/batches", headers=AUTH, json=body, timeout=30)
     assert resp.status_code == 201, resp.text
     return str(resp.json()["batch_id"])
 
 
 def batch(url: str, batch_id: str) -> dict[str, object]:
-    return httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()  # type: ignore[no-any-return]
+    return httpx.get(f"{url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()  # type: ignore[no-any-return]
 
 
 def wait_done(url: str, batch_id: str, timeout_s: float) -> dict[str, object]:

@@ -36,7 +36,7 @@ from rollout_ledger.shared.policy import (
     read_value,
 )
 from rollout_ledger.shared.subjects import POLICY_BUCKET, POLICY_ENV_BUCKET, POLICY_KEY, POLICY_WORKERS_BUCKET
-from tests.helpers import Sql, metric, until
+from tests.helpers import AUTH, Sql, metric, until
 from tests.integration.test_pipeline import check_token_exact
 from tests.unit.test_weight_swap import checkpoint
 
@@ -58,14 +58,14 @@ async def _worker_report(js: bus.JetStreamContext, worker_id: str) -> WorkerPoli
 
 
 async def _announce(url: str, version: int, ckpt: Path, mode: str) -> None:
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with httpx.AsyncClient(timeout=10, headers=AUTH) as client:
         r = await client.post(f"{url}/v1/policy/versions",
                               json={"version": version, "checkpoint": str(ckpt), "mode": mode})
     assert r.status_code == 201, r.text
 
 
 async def _batch(url: str, tasks: int, turns: int) -> str:
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=30, headers=AUTH) as client:
         r = await client.post(f"{url}/v1/batches", json={
             "env": "fixed-turns", "tasks": [{"turns": turns}] * tasks, "group_size": 2, "max_turns": turns,
             "sampling": {"max_tokens": 8}})
@@ -75,7 +75,7 @@ async def _batch(url: str, tasks: int, turns: int) -> str:
 
 async def _until_done(url: str, batch_id: str) -> None:
     async def done() -> bool:
-        async with httpx.AsyncClient(timeout=10) as client:
+        async with httpx.AsyncClient(timeout=10, headers=AUTH) as client:
             return bool((await client.get(f"{url}/v1/batches/{batch_id}")).json()["done"])
 
     await until(done, 120, "the batch")

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.exporter.follow import Follower
 from rollout_ledger.services.exporter.selection import Selection
-from tests.helpers import Sql, wait_for
+from tests.helpers import AUTH, Sql, wait_for
 from tests.integration.test_pipeline import start_all
 
 
@@ -27,12 +27,13 @@ def test_follow_a_running_batch(stack: Stack, database_url: str, model_dir: str,
     thread.start()
     sql = Sql(database_url)
     try:
-        resp = httpx.post(f"{url}/v1/batches", json={
+        resp = httpx.post(f"{url}/v1/batches", headers=AUTH, json={
             "env": "guess-number", "tasks": [{"seed": i} for i in range(8)], "group_size": 3, "max_turns": 3,
             "sampling": {"temperature": 1.0, "max_tokens": 16}}, timeout=30)
         assert resp.status_code == 201, resp.text
         batch_id = resp.json()["batch_id"]
-        wait_for(lambda: httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()["done"], 90, "the batch")
+        wait_for(lambda: httpx.get(f"{url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()["done"], 90,
+                 "the batch")
         stored = {r["episode_id"]: r for r in sql.rows(
             "SELECT episode_id, token_ids, loss_mask, logprobs, prompt_len, reward, status FROM trajectories "
             "WHERE batch_id = :b", b=batch_id)}

@@ -15,21 +15,21 @@ from typing import Any
 import httpx
 
 from rollout_ledger.cli.stack.supervisor import Stack
-from tests.helpers import Sql, metric, wait_for
+from tests.helpers import AUTH, Sql, metric, wait_for
 from tests.integration.test_pipeline import check_token_exact
 from tests.unit.test_weight_swap import checkpoint
 
 
 def _worker(url: str, worker_id: str) -> dict[str, Any] | None:
-    for w in httpx.get(f"{url}/v1/policy", timeout=10).json()["workers"]:
+    for w in httpx.get(f"{url}/v1/policy", headers=AUTH, timeout=10).json()["workers"]:
         if w["worker_id"] == worker_id:
             return dict(w)
     return None
 
 
 def _announce(url: str, version: int, ckpt: Path, mode: str) -> None:
-    r = httpx.post(f"{url}/v1/policy/versions", json={"version": version, "checkpoint": str(ckpt), "mode": mode},
-                   timeout=10)
+    r = httpx.post(f"{url}/v1/policy/versions", headers=AUTH,
+                   json={"version": version, "checkpoint": str(ckpt), "mode": mode}, timeout=10)
     assert r.status_code == 201, r.text
 
 
@@ -49,7 +49,7 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
     stack.start("recorder")
     url = stack.start("scheduler").url
     assert _until_state(url, "inf-a", 0, "serving", timeout_s=10)["serving"] == 0  # reports are eventual
-    r = httpx.post(f"{url}/v1/batches", timeout=30, json={
+    r = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
         # 12 turns: an episode seen mid-way through the recorder (which lags the workers under load) still has
         # turns to generate when the abort lands
         "env": "fixed-turns", "tasks": [{"turns": 12}] * 24, "group_size": 2, "max_turns": 12,
@@ -77,7 +77,7 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
         assert refused["serving"] == 2 and "vocab_size" in refused["error"]
 
         def done() -> bool:
-            return bool(httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()["done"])
+            return bool(httpx.get(f"{url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()["done"])
 
         wait_for(done, 120, "the batch")
         statuses = {r["status"] for r in sql.rows("select distinct status from episodes")}
@@ -109,7 +109,7 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
             "only the abort swap (1 -> 2) cut episodes in flight")
         widest = spans[0]
         assert widest["mixed_versions"] and widest["version_span"] == widest["max_version"] - widest["min_version"] > 0
-        shown = httpx.get(f"{url}/v1/episodes/{widest['episode_id']}/trajectory", timeout=10).json()
+        shown = httpx.get(f"{url}/v1/episodes/{widest['episode_id']}/trajectory", headers=AUTH, timeout=10).json()
         assert (shown["min_weight_version"], shown["max_weight_version"], shown["mixed_versions"]) == (
             widest["min_version"], widest["max_version"], True)
         assert metric(inf.url, "rollout_inference_regenerated_total") > 0, "the abort swap cut turns in flight"

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.exporter.export import export_batch
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
-from tests.helpers import Sql, metric, wait_for
+from tests.helpers import AUTH, Sql, metric, wait_for
 
 
 def start_all(stack: Stack, env_workers: int = 1, **env: str) -> str:
@@ -28,12 +28,12 @@ def start_all(stack: Stack, env_workers: int = 1, **env: str) -> str:
 
 
 def submit_and_wait(url: str, timeout_s: float = 60, **body: object) -> dict[str, object]:
-    resp = httpx.post(f"{url}/v1/batches", json=body, timeout=30)
+    resp = httpx.post(f"{url}/v1/batches", headers=AUTH, json=body, timeout=30)
     assert resp.status_code == 201, resp.text
     batch_id = resp.json()["batch_id"]
 
     def done() -> dict[str, object] | None:
-        info = httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()
+        info = httpx.get(f"{url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()
         return info if info["done"] else None
 
     return wait_for(done, timeout_s, f"batch {batch_id} to finish")
@@ -94,7 +94,7 @@ def test_rest_submit_to_token_exact_trajectories(stack: Stack, database_url: str
         assert tok.decode(row["token_ids"]).startswith(row["prompt_text"])
         # the REST trajectory view agrees with SQL
         ep = sql.scalar("select episode_id from trajectories where batch_id = :b limit 1", b=batch_id)
-        view = httpx.get(f"{url}/v1/episodes/{ep}/trajectory", timeout=10).json()
+        view = httpx.get(f"{url}/v1/episodes/{ep}/trajectory", headers=AUTH, timeout=10).json()
         assert view["token_ids"] == list(sql.scalar("select token_ids from trajectories where episode_id = :e",
                                                      e=ep))
         # export: OpenRLHF shape, JSONL and Parquet
@@ -204,7 +204,7 @@ def test_history_rewriting_template_yields_segments(stack: Stack, database_url: 
         steps = sql.rows("select drift, new_segment from steps where episode_id = :e order by turn_index",
                          e=rows[0]["episode_id"])
         assert [s["new_segment"] for s in steps] == [True] * (len(steps) - 1) + [False]
-        view = httpx.get(f"{url}/v1/episodes/{rows[0]['episode_id']}/trajectory", timeout=10).json()
+        view = httpx.get(f"{url}/v1/episodes/{rows[0]['episode_id']}/trajectory", headers=AUTH, timeout=10).json()
         assert view["num_segments"] == rows[0]["num_segments"] and view["token_check"] == "ok"
         assert [s["kind"] for s in view["spans"]].count("context") == rows[0]["num_segments"] - 1
     finally:

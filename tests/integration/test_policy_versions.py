@@ -166,7 +166,7 @@ async def test_announcing_needs_the_write_token_when_one_is_set(nats_url: str, d
 
 def test_cli_push_and_status(stack: Stack, model_dir: str, tmp_path: Path) -> None:
     url = stack.start("scheduler").url
-    runner = CliRunner()
+    runner = CliRunner(env={"ROLLOUT_API_TOKEN": stack.api_token})
     ckpt = tmp_path / "step-1"
     ckpt.mkdir()
     shutil.copy(Path(model_dir) / "config.json", ckpt / "config.json")

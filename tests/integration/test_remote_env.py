@@ -23,7 +23,7 @@ import pytest
 
 from rollout_ledger.cli.stack.servers import free_port
 from rollout_ledger.cli.stack.supervisor import Stack
-from tests.helpers import Sql, metric, until, wait_for
+from tests.helpers import AUTH, Sql, metric, until, wait_for
 from tests.integration.policy import Policy
 from tests.integration.test_pipeline import check_token_exact
 
@@ -92,7 +92,7 @@ FAST_REMOTE = {"ROLLOUT_REMOTE_STARTUP_JITTER_S": "0", "ROLLOUT_REMOTE_TIMEOUT_S
 
 def submit(url: str, env: str, tasks: list[dict[str, Any]], max_turns: int = 6, group_size: int = 1,
            max_tokens: int = 24) -> str:
-    resp = httpx.post(f"{url}/v1/batches", timeout=30, json={
+    resp = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
         "env": env, "tasks": tasks, "group_size": group_size, "max_turns": max_turns,
         "sampling": {"temperature": 1.0, "max_tokens": max_tokens}})
     assert resp.status_code == 201, resp.text
@@ -102,7 +102,7 @@ def submit(url: str, env: str, tasks: list[dict[str, Any]], max_turns: int = 6, 
 
 def wait_done(url: str, batch_id: str, timeout_s: float = 90) -> dict[str, Any]:
     def done() -> dict[str, Any] | None:
-        info: dict[str, Any] = httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()
+        info: dict[str, Any] = httpx.get(f"{url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()
         return info if info["done"] else None
     return wait_for(done, timeout_s, f"batch {batch_id} to finish", interval_s=0.2)
 
@@ -125,7 +125,7 @@ def test_remote_episodes_are_token_exact_and_match_the_builtin_prompts(
     stack.start("env-worker", ROLLOUT_REMOTE_ENVS=remote, **FAST_REMOTE)
     stack.start("recorder")
     url = stack.start("scheduler").url
-    names = {e["name"] for e in httpx.get(f"{url}/v1/envs", timeout=10).json()["envs"]}
+    names = {e["name"] for e in httpx.get(f"{url}/v1/envs", headers=AUTH, timeout=10).json()["envs"]}
     assert {"remote:guess-number", "remote:arithmetic", "remote:retail-orders", "guess-number"} <= names
 
     tasks = [{"seed": i} for i in range(3)]

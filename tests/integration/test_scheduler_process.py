@@ -16,6 +16,7 @@ from rollout_ledger.shared.db import batches, create_engine, episodes
 from rollout_ledger.shared.events import dumps
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_STREAM
+from tests.helpers import AUTH
 
 
 async def test_scheduler_process_serves_and_drains(stack: Stack, nc: bus.NATS) -> None:
@@ -32,7 +33,8 @@ async def test_scheduler_process_serves_and_drains(stack: Stack, nc: bus.NATS) -
                                                     "batch_id": "proc-1"}, headers=auth)
         assert r.status_code == 201, r.text
         assert r.json()["num_published"] == 4
-        got = (await client.get("/v1/batches/proc-1")).json()
+        assert (await client.get("/v1/batches/proc-1")).status_code == 401
+        got = (await client.get("/v1/batches/proc-1", headers=auth)).json()
         assert got["counts"]["requested"] == 4 and got["num_published"] == 4
         assert "rollout_batches_submitted_total 1.0" in (await client.get("/metrics")).text
     assert (await js.stream_info(WORK_STREAM)).state.messages == 4
@@ -60,7 +62,7 @@ async def test_sigterm_finishes_the_request_in_flight(stack: Stack, nc: bus.NATS
     engine = create_engine(database_url)
     tasks = [{"i": i} for i in range(1500)]
     try:
-        async with httpx.AsyncClient(base_url=proc.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=60, headers=AUTH) as client:
             post = asyncio.create_task(
                 client.post("/v1/batches", json={"env": "echo", "tasks": tasks, "group_size": 2, "batch_id": "drain"})
             )

@@ -102,7 +102,7 @@ def test_settings_accept_a_real_token_and_treat_empty_as_unset() -> None:
     settings = SchedulerSettings(api_token="k3y-1234567890", _env_file=None)
     assert settings.api_token is not None and settings.api_token.get_secret_value() == "k3y-1234567890"
     assert "k3y" not in repr(settings)
-    assert SchedulerSettings(api_token="  ", _env_file=None).api_token is None
+    assert SchedulerSettings(api_token="  ", api_auth="disabled", _env_file=None).api_token is None
 
 
 def test_validation_errors_name_the_field() -> None:
