@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from rollout_ledger.cli.client import forget_local_stack, local_stack_file, save_local_stack
 from rollout_ledger.cli.modelstore import fetch, is_complete
 from rollout_ledger.cli.stack.servers import LocalInfra
 from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
@@ -83,10 +84,19 @@ class DevStack:
                 proc.wait_ready(timeout_s=600 if self.engine == "vllm" else 60)
             # The scheduler last: env workers have registered their environments by now.
             self.scheduler = self.stack.start("scheduler", port=self.scheduler_port)
+            if self.scheduler_port is not None:  # `rollout up`: the CLI finds this scheduler's token
+                save_local_stack(self.scheduler.url, self.stack.api_token)
         except BaseException:
             self.stop()
             raise
         return self
+
+    @property
+    def api_token(self) -> str:
+        """The scheduler's ROLLOUT_API_TOKEN (scopes read and write), generated for this run."""
+        if self.stack is None:
+            raise RuntimeError("not started")
+        return self.stack.api_token
 
     @property
     def scheduler_url(self) -> str:
@@ -101,6 +111,9 @@ class DevStack:
     def describe(self) -> str:
         return "\n".join([
             f"scheduler     {self.scheduler_url}   (OpenAPI docs: {self.scheduler_url}/docs)",
+            f"API token     {self.api_token[:4]}... (the CLI reads it from {local_stack_file()}; "
+            "for other clients: ROLLOUT_API_TOKEN=$(jq -r .token FILE))" if self.scheduler_port is not None else
+            f"API token     {self.api_token}",
             f"NATS_URL      {self.infra.nats_url}",
             f"DATABASE_URL  {self.infra.database_url.replace('postgresql+psycopg://', 'postgresql://')}",
             f"logs          {self.log_dir}",
@@ -120,6 +133,8 @@ class DevStack:
                         stop.set()
 
     def stop(self) -> None:
+        if self.scheduler is not None and self.scheduler_port is not None:
+            forget_local_stack(self.scheduler.url)
         if self.stack is not None:
             self.stack.stop_all()
             self.stack = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -189,6 +190,13 @@ class Stack:
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
     procs: list[ServiceProcess] = field(default_factory=list)
+    api_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    """The scheduler's ROLLOUT_API_TOKEN (scopes read and write), generated for this stack unless given."""
+
+    @property
+    def api_headers(self) -> dict[str, str]:
+        """Headers of a scheduler client with the write scope."""
+        return {"Authorization": f"Bearer {self.api_token}"}
 
     def base_env(self) -> dict[str, str]:
         env = {"NATS_URL": self.nats_url, "DATABASE_URL": self.database_url}
@@ -198,6 +206,8 @@ class Stack:
     def start(self, service: str, name: str = "", wait: bool = True, port: int | None = None,
               command: tuple[str, ...] = (), **extra_env: str) -> ServiceProcess:
         env = self.base_env()
+        if service == "scheduler":
+            env.setdefault("ROLLOUT_API_TOKEN", self.api_token)
         env.update({k.upper(): v for k, v in extra_env.items()})
         proc = ServiceProcess(service, env, self.log_dir, name=name, port=port or free_port(),
                               command=command).start()
