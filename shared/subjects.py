@@ -94,9 +94,15 @@ POLICY_ENV_BUCKET = "rl_policy_env"
 """Env worker id -> its ``EnvPolicyReport`` (whether it holds new episodes back for a ``drain`` announcement and has
 drained), written by each env worker; read by inference workers, which swap in mode ``drain`` once every live env
 worker has drained for the version."""
-BUCKETS = (ENVS_BUCKET, CANCEL_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET, POLICY_ENV_BUCKET)
+LEASE_BUCKET = "rl_episode_leases"
+"""Episode id (``episode_lease_key``) -> the env worker running it and its work item, written when the worker
+starts the episode and again every few seconds, deleted when it ends; a worker handed a redelivery of an episode
+whose lease is live does not run it (services/env_worker/leases.py)."""
+LEASE_TTL_S = 15.0
+"""A lease not written again for this long expires: its holder died and the episode may run as a new attempt."""
+BUCKETS = (ENVS_BUCKET, CANCEL_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET, POLICY_ENV_BUCKET, LEASE_BUCKET)
 """Every KV bucket the services declare."""
-BUCKET_TTL_S = {POLICY_WORKERS_BUCKET: 60.0, POLICY_ENV_BUCKET: 60.0}
+BUCKET_TTL_S = {POLICY_WORKERS_BUCKET: 60.0, POLICY_ENV_BUCKET: 60.0, LEASE_BUCKET: LEASE_TTL_S}
 """Buckets whose entries expire when not written again in time (a worker that stopped reporting drops out)."""
 BUCKET_HISTORY = {POLICY_BUCKET: 16}
 """Buckets that keep earlier values of a key (1 elsewhere): a worker that cannot load the current policy version
@@ -110,6 +116,15 @@ def env_key(name: str) -> str:
     (the ``:`` of ``remote:<name>``) is written ``=XX`` (its UTF-8 bytes in hex, ``=`` itself too); names of
     safe characters are their own key."""
     return "".join(c if c in _KEY_SAFE else "".join(f"={b:02X}" for b in c.encode()) for c in name)
+
+
+def episode_lease_key(episode_id: str) -> str:
+    """The ``rl_episode_leases`` key of an episode: every character but ``[-_a-zA-Z0-9]`` written ``=XX`` (the dots
+    of an episode id too, so no id makes an empty key token)."""
+    return "".join(c if c in _LEASE_KEY_SAFE else "".join(f"={b:02X}" for b in c.encode()) for c in episode_id)
+
+
+_LEASE_KEY_SAFE = _KEY_SAFE - frozenset("/.")
 
 
 def env_name_of_key(key: str) -> str:

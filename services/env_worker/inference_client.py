@@ -10,27 +10,43 @@ instead of waiting for ``request_timeout_s``.
 Replies come back through a ``ReplyInbox`` (shared/kit/inbox.py: one wildcard subscription, one deadline
 sweeper, no timer or task per request; at thousands of turns per second those cost more than the routing
 itself), so a try can also be failed from outside: the heartbeat reaper fails the tries of a silent worker.
+
+A NATS restart: while this client is cut off nobody is reaped, and once it is back the tries still waiting are
+looked up on RL_EVENTS (``recover``): a worker publishes the turn there before it replies, and a reply sent while
+this client was not yet reconnected is lost, though the turn is stored; trying again would generate it twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js import api as js_api
 
 from rollout_ledger.shared.errors import InferenceError, NewerContractError, SchemaError
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, decode_as, encode
 from rollout_ledger.shared.kit.backoff import backoff_delay
 from rollout_ledger.shared.kit.inbox import ReplyInbox
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.subjects import ERROR_HEADER, INFER_ANY, INFER_CANCEL, INFER_HEARTBEAT, RETRYABLE_HEADER
+from rollout_ledger.shared.subjects import (
+    ERROR_HEADER,
+    EVENTS_STREAM,
+    INFER_ANY,
+    INFER_CANCEL,
+    INFER_HEARTBEAT,
+    MSG_ID_HEADER,
+    RETRYABLE_HEADER,
+    event_subject,
+)
 
 log = get_logger(__name__)
 
@@ -101,6 +117,11 @@ class InferenceClient:
         self._first_heartbeat = asyncio.Event()
         self._subs: list[Subscription] = []
         self._reaper: asyncio.Task[None] | None = None
+        self._cut_off_since: float | None = None
+        """Wall time this client's own connection was first seen down (a NATS restart); None while connected."""
+        self._by_request: dict[str, asyncio.Future[Msg]] = {}
+        """Tries waiting for their reply, by request id (= the turn's event id on RL_EVENTS)."""
+        self._recovery: asyncio.Task[int] | None = None
 
     async def start(self) -> None:
         """Subscribe to heartbeats and the reply inbox; start the reaper of silent workers."""
@@ -115,7 +136,48 @@ class InferenceClient:
                 await self._first_heartbeat.wait()
         return bool(self.workers)
 
+    async def recover(self, since: float, grace_s: float) -> int:
+        """After ``grace_s`` (replies still on their way arrive as usual), answer each try still waiting from its
+        turn on RL_EVENTS, if its worker published one since ``since`` (wall time, a few seconds of margin); the
+        number answered. A try without a stored turn keeps waiting (its worker may still be generating)."""
+        await asyncio.sleep(grace_s)
+        if not any(not f.done() for f in self._by_request.values()):
+            return 0
+        found = 0
+        try:
+            js = self.nc.jetstream()
+            start = datetime.fromtimestamp(since - 5.0, tz=UTC)
+            psub = await js.pull_subscribe(
+                event_subject("turn.generated"), stream=EVENTS_STREAM,
+                config=js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.BY_START_TIME, opt_start_time=start,
+                                             ack_policy=js_api.AckPolicy.NONE, inactive_threshold=30.0,
+                                             mem_storage=True))
+            try:
+                while True:
+                    try:
+                        msgs = await psub.fetch(512, timeout=1.0)
+                    except Exception:  # nats-py's fetch timeout types: the stream is read to its end
+                        break
+                    for msg in msgs:
+                        fut = self._by_request.get((msg.headers or {}).get(MSG_ID_HEADER, ""))
+                        if fut is not None and not fut.done():
+                            fut.set_result(msg)
+                            found += 1
+                    if not msgs or msgs[-1].metadata.num_pending == 0:
+                        break
+            finally:
+                with contextlib.suppress(Exception):
+                    await psub.unsubscribe()
+        except Exception as exc:  # NATS gone again: the tries fail over by heartbeat or timeout as usual
+            log.warning("inference.recover_failed", error=f"{type(exc).__name__}: {exc}")
+        log.info("inference.recovered_replies", recovered=found)
+        return found
+
     async def stop(self) -> None:
+        if self._recovery is not None:
+            self._recovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recovery
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -155,8 +217,23 @@ class InferenceClient:
 
         Tries sent to ``INFER_ANY`` fail over too: the dead worker may have taken them (a live one that did
         will still answer its copy; the duplicate turn has its own request id and is simply not kept).
+
+        While this client is itself disconnected (a NATS restart) nobody is reaped, and after it reconnected every
+        worker gets a full ``heartbeat_timeout_s`` again: failing over then would generate every in-flight turn a
+        second time, the first copy being published by its worker once it reconnects.
         """
         now = asyncio.get_running_loop().time()
+        if not self.nc.is_connected:  # cut off from NATS ourselves (a NATS restart): nobody's heartbeat can arrive
+            if self._cut_off_since is None:
+                self._cut_off_since = time.time()
+            return []
+        if self._cut_off_since is not None:  # back: every worker gets a full heartbeat_timeout_s from now
+            since, self._cut_off_since = self._cut_off_since, None
+            for state in self.workers.values():
+                state.last_seen = max(state.last_seen, now)
+            if self._recovery is None or self._recovery.done():
+                self._recovery = asyncio.create_task(self.recover(since, self.config.heartbeat_timeout_s))
+            return []
         dead = [w for w in self.workers.values() if now - w.last_seen > self.config.heartbeat_timeout_s]
         for state in dead:
             del self.workers[state.worker_id]
@@ -195,9 +272,12 @@ class InferenceClient:
         return best
 
     # --- requests ---------------------------------------------------------------------------------
-    async def request_once(self, subject: str, payload: bytes, worker: WorkerState | None) -> Msg:
+    async def request_once(self, subject: str, payload: bytes, worker: WorkerState | None,
+                           request_id: str = "") -> Msg:
         """One try: publish the request and wait for its reply, the worker's loss, or the timeout (``expire``)."""
         token, reply, fut = self._inbox.open(subject)
+        if request_id:
+            self._by_request[request_id] = fut
         if worker is not None:
             worker.waiting.add(fut)
             worker.local_inflight += 1
@@ -208,6 +288,8 @@ class InferenceClient:
             return await fut
         finally:
             self._inbox.close(token)
+            if request_id:
+                self._by_request.pop(request_id, None)
             if worker is not None:
                 worker.waiting.discard(fut)
                 worker.local_inflight -= 1
@@ -233,7 +315,7 @@ class InferenceClient:
             request = build(attempt)
             started = loop.time()
             try:
-                reply = await self.request_once(subject, encode(request), worker)
+                reply = await self.request_once(subject, encode(request), worker, request.request_id)
                 turn = self._turn_of(reply, subject)
             except asyncio.CancelledError:
                 # The episode stopped waiting (its deadline passed): let the worker abort the generation.

@@ -24,6 +24,7 @@ class EnvWorkerMetrics:
     remote_env_retries: Counter
     attempts_retried: Counter
     work_items_parked: Counter
+    work_items_fenced: Counter
     policy_paused: Gauge
     policy_pause_seconds: Histogram
     policy_episode_drain_seconds: Histogram
@@ -55,6 +56,9 @@ def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics
         work_items_parked=Counter("rollout_work_items_parked_total",
                                   "Work items of a newer contract major handed back for an upgraded worker",
                                   registry=registry),
+        work_items_fenced=Counter("rollout_work_items_fenced_total",
+                                  "Deliveries of a work item whose episode a live lease holder was running (after a "
+                                  "NATS restart): held, not run again", registry=registry),
         policy_paused=Gauge("rollout_policy_paused", "1 while this worker starts no new episode for a policy version "
                             "announced in mode drain", registry=registry),
         policy_pause_seconds=Histogram("rollout_policy_pause_seconds", "Time new episodes were held back for a "

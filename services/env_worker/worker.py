@@ -1,11 +1,14 @@
-"""The env worker's consume loop: pulls work items for free slots, runs each episode as a task, holds new episodes
-back while a policy version is drained (policy_gate.py), drains on SIGTERM."""
+"""The env worker's consume loop: pulls work items for free slots, runs each episode as a task under its episode
+lease (leases.py: a redelivery of an episode running elsewhere is held, not run again), holds new episodes back
+while a policy version is drained (policy_gate.py), drains on SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -16,6 +19,7 @@ from rollout_ledger.services.env_worker.cancellation import CancelWatch
 from rollout_ledger.services.env_worker.dead_letters import reject_work_item
 from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
+from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Lease, LeaseLost
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.services.env_worker.policy_gate import EpisodeGate
 from rollout_ledger.services.env_worker.retries import RetryBudgets
@@ -30,12 +34,35 @@ from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import PolicyBus
 from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.kit.runtime import Health, Shutdown, sleep_or_shutdown
-from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_CONSUMER, WORK_STREAM, WORK_SUBJECT, env_key
+from rollout_ledger.shared.subjects import (
+    ENVS_BUCKET,
+    LEASE_TTL_S,
+    WORK_CONSUMER,
+    WORK_STREAM,
+    WORK_SUBJECT,
+    env_key,
+)
 
 log = get_logger(__name__)
 
 _NAK_DELAY_S = 1.0
 """Pause before a handed-back work item is offered again (a bus hiccup should not burn deliveries at once)."""
+
+
+_LEASE_POLL_S = 0.5
+"""How often a held redelivery asks whether its episode's lease holder is still there."""
+
+
+@dataclass
+class _Running:
+    """An episode this worker runs: its lease and every delivery of its work item (a redelivery to this same worker
+    while it runs joins ``msgs``: pinged and acked with the first)."""
+
+    msgs: list[Msg]
+    lease: Lease
+    revision: int
+    lost: LeaseLost | None = None
+    """Set when another holder took the lease (ours expired): the episode's task is cancelled, nothing handed back."""
 
 
 async def register_envs(js: JetStreamContext, envs: EnvRegistry, worker_id: str) -> None:
@@ -81,6 +108,11 @@ class EnvWorker:
         metrics.cancelled_batches.set_function(lambda: len(self.cancels.cancelled))
         self.tasks: set[asyncio.Task[None]] = set()
         self._slot_free = asyncio.Event()
+        self.leases = EpisodeLeases(self.js, settings.worker_id, uuid.uuid4().hex[:12])
+        self.running: dict[str, _Running] = {}
+        """Episode id -> the episode this worker runs now."""
+        self._ping_s = min(settings.ack_wait_s, LEASE_TTL_S) / 3
+        """In-progress pings and lease refreshes: three per ack wait and per lease TTL."""
 
     def _deps(self) -> DriverDeps:
         return DriverDeps(js=self.js, client=self.client, envs=self.envs, template=self.template,
@@ -95,6 +127,7 @@ class EnvWorker:
         s = self.settings
         await bus.ensure_topology(self.js, s.stream_replicas)
         await bus.ensure_consumer(self.js, bus.work_consumer_spec(s.ack_wait_s, s.max_deliver, s.max_ack_pending))
+        await self.leases.start()
         await register_envs(self.js, self.envs, s.worker_id)
         if self.agents is not None:
             await self.agents.register(self.js, s.worker_id)
@@ -169,38 +202,123 @@ class EnvWorker:
                 f"undecodable work item: {type(exc).__name__}: {exc}"
             await reject_work_item(self.js, msg, reason, self.settings.publish_timeout_s)
             return
+        await self._run_item(msg, item, deps)
+
+    async def _run_item(self, msg: Msg, item: EpisodeRequested, deps: DriverDeps) -> None:
+        """Run the episode of a decoded work item under its lease, unless it runs already (here or elsewhere)."""
+        seq = msg.metadata.sequence.stream
+        running = self.running.get(item.episode_id)
+        if running is not None and running.lease.seq == seq:  # redelivered to this worker while it runs it
+            running.msgs.append(msg)
+            self.metrics.work_items_fenced.inc()
+            log.info("work_item.fenced", episode_id=item.episode_id, holder=self.settings.worker_id,
+                     delivery=bus.delivery_attempt(msg))
+            return
         attempt = item.attempt_base + bus.delivery_attempt(msg)
-        if not self.gate.is_open:  # taken before the gate closed: hold it, in progress, until it opens
-            async with bus.keep_in_progress(msg, self.settings.ack_wait_s / 3):
-                admitted = await self.gate.admit(self._stopping)
-        else:
-            admitted = await self.gate.admit(self._stopping)
-        if not admitted:  # the worker stops while the item waited: hand it back
-            with contextlib.suppress(Exception):
-                await msg.nak()
+        run = await self._claim(msg, item.episode_id, self.leases.mine(seq, attempt))
+        if run is None:
+            return
+        self.running[item.episode_id] = run
+        task = asyncio.current_task()
+        assert task is not None
+        keeper = asyncio.create_task(self._keep(item.episode_id, run, task))
+        try:
+            await self._run_leased(run, item, attempt, deps)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            if self.running.get(item.episode_id) is run:
+                del self.running[item.episode_id]
+
+    async def _claim(self, msg: Msg, episode_id: str, lease: Lease) -> _Running | None:
+        """Take the episode's lease for this delivery. While a live holder has it (the episode runs elsewhere: this
+        is a redelivery after a NATS restart) keep this delivery in progress and wait; once the lease is gone, run
+        the item as a new attempt if it is still queued (its holder died), else let it be (its holder finished).
+        None when there is nothing to run."""
+        held_since: Claim | None = None
+        while True:
+            try:
+                claim = await self.leases.acquire(episode_id, lease)
+                if claim.taken:
+                    if await self.leases.still_queued(lease.seq):
+                        return _Running([msg], lease, claim.revision)
+                    # finished and acked by another holder between this delivery and now: nothing to run
+                    await self.leases.release(episode_id, claim.revision)
+                    log.info("work_item.finished_elsewhere", episode_id=episode_id, seq=lease.seq)
+                    return None
+            except Exception as exc:  # NATS reconnecting: nats-py raises several types; ask again
+                log.warning("episode.lease_unavailable", episode_id=episode_id, error=f"{type(exc).__name__}: {exc}")
+                async with bus.keep_in_progress(msg, self._ping_s):
+                    await asyncio.sleep(_LEASE_POLL_S)
+                continue
+            if held_since is None:
+                self.metrics.work_items_fenced.inc()
+                log.info("work_item.fenced", episode_id=episode_id, attempt=lease.attempt,
+                         holder=claim.holder.worker if claim.holder else None,
+                         holder_attempt=claim.holder.attempt if claim.holder else None)
+            held_since = claim
+            async with bus.keep_in_progress(msg, self._ping_s):
+                await self.leases.wait_gone(episode_id, claim, _LEASE_POLL_S)
+
+    async def _keep(self, episode_id: str, run: _Running, task: asyncio.Task[None]) -> None:
+        """Every ``_ping_s``: in-progress pings for every delivery of the item, and the lease written again. When
+        another holder took the lease (ours expired during a long outage), cancel the episode's task."""
+        while True:
+            await asyncio.sleep(self._ping_s)
+            for m in list(run.msgs):
+                with contextlib.suppress(Exception):  # a lost ping only risks a redelivery, which the lease holds
+                    await m.in_progress()
+            try:
+                run.revision = await self.leases.refresh(episode_id, run.lease, run.revision)
+            except LeaseLost as exc:
+                run.lost = exc
+                log.warning("episode.lease_lost", episode_id=episode_id, attempt=run.lease.attempt, error=str(exc))
+                task.cancel()
+                return
+            except Exception as exc:  # NATS reconnecting: the next tick writes it again
+                log.warning("episode.lease_refresh_failed", episode_id=episode_id, error=f"{type(exc).__name__}: {exc}")
+
+    async def _hand_back(self, run: _Running, episode_id: str, delay_s: float | None = None) -> None:
+        """Nak the item (another attempt, here or elsewhere) and release its lease so that attempt need not wait."""
+        with contextlib.suppress(Exception):
+            await run.msgs[-1].nak(delay=delay_s)
+        await self.leases.release(episode_id, run.revision)
+
+    async def _run_leased(self, run: _Running, item: EpisodeRequested, attempt: int, deps: DriverDeps) -> None:
+        if not await self.gate.admit(self._stopping):  # the worker stops while the item waited: hand it back
+            await self._hand_back(run, item.episode_id)
             return
         self.metrics.episodes_in_flight.inc()
         try:
-            async with bus.keep_in_progress(msg, self.settings.ack_wait_s / 3):
-                agent = self.agents.driver(deps, item, attempt) if self.agents is not None else None
-                outcome = await (agent or EpisodeDriver(deps, item, attempt)).run()
-                if outcome.retry is not None:
-                    # The next attempt's work item goes on the queue before this one is acked (retries.py); if
-                    # the publish fails, the handed-back item's redelivery runs that attempt instead.
-                    await bus.publish_event(self.js, outcome.retry, timeout=self.settings.publish_timeout_s)
-                    self.metrics.attempts_retried.labels(failure_class=str(outcome.failure_class)).inc()
-            await msg.ack_sync(timeout=self.settings.publish_timeout_s)
+            agent = self.agents.driver(deps, item, attempt) if self.agents is not None else None
+            outcome = await (agent or EpisodeDriver(deps, item, attempt)).run()
+            if outcome.retry is not None:
+                # The next attempt's work item goes on the queue before this one is acked (retries.py); if
+                # the publish fails, the handed-back item's redelivery runs that attempt instead.
+                await bus.publish_event(self.js, outcome.retry, timeout=self.settings.publish_timeout_s)
+                self.metrics.attempts_retried.labels(failure_class=str(outcome.failure_class)).inc()
+            await run.msgs[-1].ack_sync(timeout=self.settings.publish_timeout_s)
+            for m in run.msgs[:-1]:
+                with contextlib.suppress(Exception):
+                    await m.ack()
+            # after the ack: a delivery that finds the lease gone then finds the item gone from the queue too
+            await self.leases.release(item.episode_id, run.revision)
             self.metrics.episodes_total.labels(status=outcome.status).inc()
         except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await msg.nak()
+            if run.lost is not None:  # another holder runs the episode now: stop, hand nothing back
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+                log.info("episode.fenced_out", episode_id=item.episode_id, attempt=attempt)
+                return
+            await self._hand_back(run, item.episode_id)
             log.info("episode.handed_back", episode_id=item.episode_id, attempt=attempt, reason="drain timeout")
             raise
         except Exception as exc:  # a bus failure or a bug: hand the item back for another attempt
             log.error("episode.handed_back", episode_id=item.episode_id, attempt=attempt,
                       error=f"{type(exc).__name__}: {exc}", exc_info=not isinstance(exc, BusError))
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=_NAK_DELAY_S)
+            await self._hand_back(run, item.episode_id, _NAK_DELAY_S)
         finally:
             self.gate.finished()
             self.metrics.episodes_in_flight.dec()

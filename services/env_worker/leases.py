@@ -1,0 +1,159 @@
+"""Episode leases: one live attempt per episode, fenced through the ``rl_episode_leases`` KV bucket.
+
+Why: after a NATS restart the server restores the work consumer's pending items with the delivery times it had
+stored, not the in-progress pings it received since; every item whose stored time is older than ``ack_wait`` is
+redelivered as soon as a worker pulls, before the worker still running it can ping again. Without a fence each such
+redelivery ran the episode a second time beside the first (measured: every episode of a 2 s outage with a 1.5 s
+ack wait; 4.4 % of the load with the defaults).
+
+How: the worker running an episode holds the key of its episode (``episode_lease_key``), written with ``create``
+and kept alive (``refresh``) every few seconds; the bucket's TTL expires it when the holder died. A worker handed a
+work item whose episode's lease another live holder has does not run it: it keeps its copy in progress until the
+lease goes (``wait_gone``); then, if the work item is still on the queue (``still_queued``: the work queue drops an
+acked item), the holder died and the item runs as a new attempt; if not, the holder finished and acked it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from rollout_ledger.shared.errors import BusError
+from rollout_ledger.shared.subjects import LEASE_BUCKET, WORK_STREAM, episode_lease_key
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Who runs an episode: a worker process (``worker`` and the ``run`` id of that process) and its work item."""
+
+    worker: str
+    run: str
+    seq: int
+    """Stream sequence of the work item in ``RL_WORK``."""
+    attempt: int
+
+    def encode(self) -> bytes:
+        return json.dumps({"worker": self.worker, "run": self.run, "seq": self.seq, "attempt": self.attempt}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes | None) -> Lease | None:
+        """The lease in ``data``; None when it is not one this module wrote (then nobody can be shown alive)."""
+        try:
+            raw = json.loads(data or b"")
+            return cls(str(raw["worker"]), str(raw["run"]), int(raw["seq"]), int(raw["attempt"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The answer of ``acquire``: ``taken`` with the lease's revision, or the live ``holder`` and its revision
+    (``holder`` None: a value this module did not write)."""
+
+    taken: bool
+    revision: int
+    holder: Lease | None
+
+
+class LeaseLost(Exception):
+    """Another holder took the episode's lease (ours had expired): this worker must stop running the episode."""
+
+    def __init__(self, holder: Lease | None) -> None:
+        super().__init__(f"episode lease taken by {holder.worker if holder else 'another holder'}")
+        self.holder = holder
+
+
+class EpisodeLeases:
+    """Create, refresh and release the leases of the episodes this worker process runs."""
+
+    def __init__(self, js: JetStreamContext, worker: str, run: str) -> None:
+        self.js = js
+        self.worker = worker
+        self.run = run
+        """Distinguishes this process from an earlier one of the same ``worker`` id (killed and started again)."""
+        self._kv: KeyValue | None = None
+
+    async def start(self) -> None:
+        self._kv = await self.js.key_value(LEASE_BUCKET)
+
+    @property
+    def kv(self) -> KeyValue:
+        if self._kv is None:
+            raise RuntimeError("EpisodeLeases.start() was not awaited")
+        return self._kv
+
+    def mine(self, seq: int, attempt: int) -> Lease:
+        return Lease(self.worker, self.run, seq, attempt)
+
+    async def holder(self, episode_id: str) -> tuple[Lease | None, int]:
+        """The live lease of the episode and its revision; (None, 0) when there is none."""
+        try:
+            entry = await self.kv.get(episode_lease_key(episode_id))
+        except KeyNotFoundError:  # never written, released, or expired
+            return None, 0
+        return Lease.decode(entry.value), int(entry.revision or 0)
+
+    async def acquire(self, episode_id: str, lease: Lease) -> Claim:
+        """Take the episode's lease, or learn who holds it. A lease of an earlier process of this same worker id is
+        stale (that process is gone): taken over at once."""
+        key = episode_lease_key(episode_id)
+        while True:
+            try:
+                return Claim(True, await self.kv.create(key, lease.encode()), lease)
+            except KeyWrongLastSequenceError:
+                pass
+            held, revision = await self.holder(episode_id)
+            if revision == 0:  # released or expired between the two calls: try again
+                continue
+            if held is not None and held.worker == self.worker and held.run != self.run:
+                try:
+                    return Claim(True, await self.kv.update(key, lease.encode(), last=revision), lease)
+                except KeyWrongLastSequenceError:
+                    continue
+            return Claim(False, revision, held)
+
+    async def refresh(self, episode_id: str, lease: Lease, revision: int) -> int:
+        """Write the lease again (its TTL starts over); the new revision. ``LeaseLost`` when another holder has
+        it; the lease is taken again when it expired meanwhile (a NATS outage longer than the TTL) and is free."""
+        try:
+            return await self.kv.update(episode_lease_key(episode_id), lease.encode(), last=revision)
+        except KeyWrongLastSequenceError:
+            pass
+        claim = await self.acquire(episode_id, lease)
+        if claim.taken or claim.holder == lease:  # retaken, or ours at another revision (a lost refresh reply)
+            return claim.revision
+        raise LeaseLost(claim.holder)
+
+    async def release(self, episode_id: str, revision: int) -> None:
+        """Delete the lease if it is still ours (``revision``); best effort: an unreleased lease expires."""
+        try:
+            await self.kv.delete(episode_lease_key(episode_id), last=revision)
+        except Exception:  # taken over or NATS down: the TTL ends it
+            return
+
+    async def wait_gone(self, episode_id: str, claim: Claim, poll_s: float) -> None:
+        """Return once the holder of ``claim`` (a claim not taken) no longer holds the episode's lease: released,
+        expired or replaced (a lease this module cannot read: once its revision changes)."""
+        while True:
+            await asyncio.sleep(poll_s)
+            try:
+                current, revision = await self.holder(episode_id)
+            except Exception:  # NATS reconnecting: ask again
+                continue
+            if revision == 0 or current != claim.holder or (current is None and revision != claim.revision):
+                return
+
+    async def still_queued(self, seq: int) -> bool:
+        """Whether the work item ``seq`` is still on the work queue (not acked by whoever ran it)."""
+        try:
+            await self.js.get_msg(WORK_STREAM, seq)
+        except NotFoundError:
+            return False
+        except Exception as exc:
+            raise BusError(f"cannot read work item {seq}: {exc}", retryable=True) from exc
+        return True
