@@ -104,11 +104,12 @@ def run_demo(num_tasks: int = 4, group_size: int = 4, out: Path = Path("exports"
                           f"{group_size}, max_turns {max_turns}) as batch {body['batch_id']}")
         client.follow_all(batch_ids, console=console, timeout_s=1800, labels=labels)
         wall = time.monotonic() - t_run
-        rows, total_trajectories = _summary(stack.infra.database_url, batch_ids)
+        reader_url = stack.infra.database_logins.get("exporter", stack.infra.database_url)  # the read-only login
+        rows, total_trajectories = _summary(reader_url, batch_ids)
         _print_summary(console, rows, wall)
         out.mkdir(parents=True, exist_ok=True)
         for batch_id in batch_ids:
-            result = export_batch(stack.infra.database_url, batch_id, out, "jsonl")
+            result = export_batch(reader_url, batch_id, out, "jsonl")
             console.print(f"exported {result.records} trajectories -> [bold]{result.path.resolve()}[/bold]")
         console.print("\nTry SQL against the store while `make up` runs (psql \"$DATABASE_URL\"; "
                       "`rollout up` prints the URL):")

