@@ -318,6 +318,17 @@ async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
     return time.perf_counter() - t0
 
 
+async def seed_episodes(admin: psycopg.AsyncConnection[Any], n: int) -> None:
+    """The batch and episode rows the benchmark's turns and steps belong to (``bench.<i>.0``; foreign keys of
+    migration 0011: a turn or step of an episode the scheduler never stored is refused)."""
+    await admin.execute("INSERT INTO batches (id, env, group_size, max_turns, sampling, num_tasks, num_episodes, "
+                        "request_hash) VALUES ('bench', 'bench', 1, 4, '{}'::jsonb, %s, %s, 'x') "
+                        "ON CONFLICT DO NOTHING", (n, n))
+    await admin.execute("INSERT INTO episodes (id, batch_id, group_id, group_index, task_index, env, task) "
+                        "SELECT 'bench.' || i || '.0', 'bench', 'bench.' || i, 0, i, 'bench', '{}'::jsonb "
+                        "FROM generate_series(0, %s) AS i ON CONFLICT DO NOTHING", (n,))
+
+
 async def run(url: str, rounds: int) -> None:
     data: list[tuple[str, CopyTable[Any], Sequence[Any]]] = [
         ("turns, 256 tokens", TURNS, turns(2000, 256)),
@@ -331,6 +342,7 @@ async def run(url: str, rounds: int) -> None:
         row = await cur.fetchone()
         if row is None or row[0]:
             raise SystemExit(f"{table} holds rows: the benchmark truncates it, give it an empty database")
+    await seed_episodes(admin, max(len(objs) for _, _, objs in data))
     all_ways = await ways(url)
     results: dict[tuple[str, str, str], list[float]] = {}
     sizes: dict[str, int] = {}
