@@ -66,6 +66,16 @@ def db_create_login(
     typer.echo(f"login {user} is a member of {service}'s role", err=True)
 
 
+@db_app.command("create-logins")
+def db_create_logins() -> None:
+    """Create a login per service DSN in ROLLOUT_<SERVICE>_DATABASE_URL (its user and password) as a member of that
+    service's role, connected with DATABASE_URL (the owner): the k8s db-logins Job."""
+    from rollout_ledger.migrations.logins import LoginSettings, create_logins_from
+
+    made = create_logins_from(LoginSettings())
+    typer.echo(f"logins: {', '.join(made) or 'none (no ROLLOUT_<SERVICE>_DATABASE_URL set)'}", err=True)
+
+
 @db_app.command("wait-schema")
 def db_wait_schema(
     database_url: str = typer.Option(None, envvar="DATABASE_URL", help="Postgres DSN"),

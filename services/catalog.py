@@ -78,6 +78,11 @@ WORKLOADS: dict[str, Workload] = {
         # jobs and the exporter (CLI commands in the same image)
         Workload("migrate", ("db", "upgrade"), _BASE_SETTINGS, SERVICE_IMAGE, frozenset({"DATABASE_URL"}),
                  serves_http=False),
+        # after the migrations: a login per service (its own DSN's user and password) in its role (migration 0012)
+        Workload("db-logins", ("db", "create-logins"), "rollout_ledger.migrations.logins:LoginSettings",
+                 SERVICE_IMAGE, frozenset({"DATABASE_URL", "ROLLOUT_SCHEDULER_DATABASE_URL",
+                                           "ROLLOUT_RECORDER_DATABASE_URL", "ROLLOUT_EXPORTER_DATABASE_URL"}),
+                 serves_http=False),
         Workload("exporter", ("export", "--consumer", EXPORT_CONSUMER, "--follow", "--format", "openrlhf",
                               "--file-type", "parquet", "--out", f"{EXPORTS_DIR}/{EXPORT_CONSUMER}"),
                  f"{_PKG}.exporter.settings:ExporterSettings", SERVICE_IMAGE,

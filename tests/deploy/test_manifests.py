@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from sqlalchemy.engine import make_url
 
 from rollout_ledger.services import catalog
 from rollout_ledger.shared import deploy
@@ -74,8 +75,8 @@ def test_base_renders_and_validates() -> None:
 
 def test_every_workload_is_deployed(rendered: Rendered) -> None:
     kinds = {"scheduler": "Deployment", "env-worker": "Deployment", "inference-worker": "Deployment",
-             "recorder": "Deployment", "migrate": "Job", "exporter": "Deployment", "export-batches": "CronJob",
-             "feed-prune": "CronJob"}
+             "recorder": "Deployment", "migrate": "Job", "db-logins": "Job", "exporter": "Deployment",
+             "export-batches": "CronJob", "feed-prune": "CronJob"}
     for name, workload in catalog.WORKLOADS.items():
         obj = rendered.get(kinds[name], name)
         c = rendered.container(name)
@@ -366,9 +367,7 @@ def test_exporter_follows_one_consumer(rendered: Rendered) -> None:
     assert rendered.has("PersistentVolumeClaim", "exports")
     assert mounts["tmp"] == "/tmp" and "emptyDir" in volumes["tmp"]
     refs = {(v["name"], (v.get("valueFrom") or {}).get("secretKeyRef", {}).get("key")) for v in c.spec["env"]}
-    assert ("ROLLOUT_EXPORT_DATABASE_URL", "export-database-url") in refs  # the read-only role, when given
-    optional = {(base_name(n), key): opt for n, key, opt in c.secret_refs}
-    assert optional[("rollout-secrets", "export-database-url")] is True, "optional: DATABASE_URL otherwise"
+    assert ("DATABASE_URL", "exporter-database-url") in refs  # its own login: read-only plus its cursors
     assert c.pod.get("terminationGracePeriodSeconds", 30) >= 30, "time to finish the read in flight on SIGTERM"
     (init,) = [i for i in rendered.containers("exporter") if i.init]
     assert "command" not in init.spec, "the image entrypoint (rollout) runs it"
@@ -390,12 +389,41 @@ def test_batch_export_and_feed_retention_stay_available(rendered: Rendered) -> N
     assert prune["spec"]["concurrencyPolicy"] == "Forbid"
     p = rendered.container("feed-prune")
     _parses(list(p.spec["args"]))
-    assert [(base_name(n), key) for n, key, _ in p.secret_refs] == [("rollout-secrets", "database-url")], \
-        "pruning deletes: not the read-only role"
+    assert [(base_name(n), key) for n, key, _ in p.secret_refs] == [("rollout-secrets", "feed-prune-database-url")], \
+        "pruning deletes: rollout_pruner's login, not the exporter's read-only one"
     assert "ROLLOUT_EXPORT_DATABASE_URL" not in p.env
 
 
 # --- security ------------------------------------------------------------------------------------------------
+
+
+DB_LOGIN_KEYS = {"scheduler": "scheduler-database-url", "recorder": "recorder-database-url",
+                 "exporter": "exporter-database-url", "export-batches": "exporter-database-url",
+                 "feed-prune": "feed-prune-database-url", "migrate": "database-url", "db-logins": "database-url"}
+"""The Secret key of each workload's DATABASE_URL: the owner's only where the schema or the logins are made."""
+
+
+def test_each_workload_uses_postgres_as_its_own_login(rendered: Rendered) -> None:
+    for c in rendered.containers():
+        refs = {v["name"]: (v.get("valueFrom") or {}).get("secretKeyRef", {}).get("key") for v in c.spec.get("env", [])}
+        if "DATABASE_URL" in refs and c.workload in catalog.WORKLOADS:
+            assert refs["DATABASE_URL"] == DB_LOGIN_KEYS[c.workload], f"{c.workload}/{c.name}"
+    logins = rendered.container("db-logins")
+    assert {k for k in logins.env if k.endswith("_DATABASE_URL")} == {
+        "ROLLOUT_SCHEDULER_DATABASE_URL", "ROLLOUT_RECORDER_DATABASE_URL", "ROLLOUT_EXPORTER_DATABASE_URL",
+        "ROLLOUT_FEED_PRUNE_DATABASE_URL", "ROLLOUT_SCORER_DATABASE_URL"}
+
+
+def test_dev_postgres_takes_passwords(dev: Rendered) -> None:
+    (pg,) = [c for c in dev.containers() if c.name == "postgres"]
+    assert "POSTGRES_HOST_AUTH_METHOD" not in pg.env and "POSTGRES_PASSWORD" in pg.env
+    secret = next(o for o in dev.of_kind("Secret") if base_name(o["metadata"]["name"]) == "rollout-secrets")
+    import base64
+
+    urls = {k: base64.b64decode(v).decode() for k, v in secret["data"].items() if k.endswith("database-url")}
+    users = {k: (make_url(u).username, make_url(u).password) for k, u in urls.items()}
+    assert all(password for _, password in users.values()), "every DSN carries a password"
+    assert len({user for user, _ in users.values()}) == len(users), "one login per workload"
 
 
 def test_pods_are_locked_down(rendered: Rendered) -> None:

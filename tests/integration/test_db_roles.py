@@ -147,3 +147,21 @@ def test_the_services_run_under_their_own_logins(stack: Stack, logins: Logins, d
         assert conn.execute("SELECT count(*) FROM trajectories WHERE batch_id = %s", (batch_id,)).fetchone() == (4,)
         assert conn.execute("SELECT count(*) FROM dead_letters").fetchone() == (0,)
         assert conn.execute("SELECT count(*) FROM attempt_failures").fetchone() == (0,)
+
+
+def test_the_db_logins_job_makes_each_login_from_its_services_dsn(database_url: str) -> None:
+    from rollout_ledger.migrations.logins import LoginSettings, create_logins_from
+
+    user = f"t_job_recorder_{uuid.uuid4().hex[:8]}"
+    recorder = login_url(database_url, user, "job-made-password")
+    settings = LoginSettings(database_url=database_url, recorder_database_url=recorder)
+    try:
+        assert create_logins_from(settings) == [user]
+        assert create_logins_from(settings) == [user]  # idempotent: a rerun of the Job updates it
+        with psycopg.connect(libpq(recorder)) as conn:
+            assert conn.execute("SELECT pg_has_role(current_user, 'rollout_recorder', 'USAGE'), "
+                                "pg_has_role(current_user, 'rollout_scheduler', 'USAGE')").fetchone() == (True, False)
+        _refused(recorder, "DELETE FROM turns")
+    finally:
+        with psycopg.connect(libpq(database_url), autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(user)))
