@@ -190,6 +190,8 @@ class Stack:
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
     procs: list[ServiceProcess] = field(default_factory=list)
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Settings of one service only, by service name: its NATS credentials on a server with authorization."""
     api_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     """The scheduler's ROLLOUT_API_TOKEN (scopes read and write), generated for this stack unless given."""
 
@@ -206,6 +208,7 @@ class Stack:
     def start(self, service: str, name: str = "", wait: bool = True, port: int | None = None,
               command: tuple[str, ...] = (), **extra_env: str) -> ServiceProcess:
         env = self.base_env()
+        env.update(self.service_env.get(service, {}))
         if service == "scheduler":
             env.setdefault("ROLLOUT_API_TOKEN", self.api_token)
         env.update({k.upper(): v for k, v in extra_env.items()})

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -21,6 +23,8 @@ from nats.js.errors import BadRequestError, NotFoundError
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.events import EventBase, encode
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.settings import NatsSecurity
+from rollout_ledger.shared.nats_auth import inbox_prefix
 from rollout_ledger.shared.subjects import (
     BUCKET_HISTORY,
     BUCKET_TTL_S,
@@ -41,39 +45,76 @@ from rollout_ledger.shared.subjects import (
 log = get_logger(__name__)
 
 
-async def connect(url: str, *, name: str, connect_timeout_s: float = 2.0, initial_wait_s: float = 30.0) -> NATS:
+def _tls_context(security: NatsSecurity) -> ssl.SSLContext | None:
+    """A client TLS context verifying the server with ``tls_ca`` (and presenting ``tls_cert`` when set)."""
+    if not security.tls_ca:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=security.tls_ca)
+    if security.tls_cert:
+        ctx.load_cert_chain(security.tls_cert, security.tls_key or None)
+    return ctx
+
+
+async def connect(url: str, *, name: str, connect_timeout_s: float = 2.0, initial_wait_s: float = 30.0,
+                  security: NatsSecurity | None = None) -> NATS:
     """Connect to NATS, retrying the first connection for ``initial_wait_s``, then reconnecting forever.
 
     nats-py's defaults take minutes to report a dead server; here a dead URL fails after ``initial_wait_s``
-    with a ``BusError`` naming it.
+    with a ``BusError`` naming it. ``security`` (default: the ``ROLLOUT_NATS_USER`` / ``ROLLOUT_NATS_PASSWORD``
+    / ``ROLLOUT_NATS_TLS_*`` settings) gives the user, whose replies come on its own inbox prefix (the
+    permissions of shared/nats_auth.py allow no other), and the TLS files. A refused login is not retried.
     """
+    if security is None:
+        from rollout_ledger.shared.kit.settings import BaseServiceSettings
+
+        security = BaseServiceSettings().nats_security()
     servers = [s.strip() for s in url.split(",") if s.strip()]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + initial_wait_s
-    last: Exception | None = None
+    options: dict[str, Any] = {}
+    if security.user:
+        options.update(user=security.user, password=security.password, inbox_prefix=inbox_prefix(security.user))
+    tls = _tls_context(security)
+    if tls is not None:
+        options.update(tls=tls, tls_handshake_first=False)
+    refused: list[Exception] = []
+    connected = False
 
     async def _on_error(exc: Exception) -> None:
         log.warning("nats.error", error=str(exc))
+        if not connected and _is_auth_refusal(exc):
+            refused.append(exc)
+            attempt.cancel()
 
-    while True:
-        try:
-            return await nats.connect(
-                servers=servers,
-                name=name,
-                connect_timeout=connect_timeout_s,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                allow_reconnect=True,
-                error_cb=_on_error,
-                pending_size=64 * 1024 * 1024,
-            )
-        except Exception as exc:  # nats-py raises several unrelated types here
-            last = exc
-            if loop.time() >= deadline:
-                raise BusError(f"cannot connect to NATS at {url}: {exc}", retryable=True) from exc
-            await asyncio.sleep(0.5)
-            if last is not None:
-                log.info("nats.connect_retry", url=url, error=str(last))
+    # nats-py retries a first connection forever (max_reconnect_attempts=-1): bounded here, and ended at the
+    # first refused login (wrong or missing credentials do not become right by waiting).
+    attempt = asyncio.ensure_future(nats.connect(
+        servers=servers,
+        name=name,
+        connect_timeout=connect_timeout_s,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        allow_reconnect=True,
+        error_cb=_on_error,
+        pending_size=64 * 1024 * 1024,
+        **options,
+    ))
+    try:
+        nc = await asyncio.wait_for(attempt, timeout=initial_wait_s)
+    except (asyncio.CancelledError, TimeoutError) as exc:
+        if refused:
+            raise BusError(f"NATS at {url} refused the login of user {security.user or '(anonymous)'}: "
+                           f"{refused[0]}", retryable=False) from exc
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        raise BusError(f"cannot connect to NATS at {url} within {initial_wait_s}s", retryable=True) from exc
+    except Exception as exc:  # nats-py raises several unrelated types here
+        raise BusError(f"cannot connect to NATS at {url}: {exc}", retryable=True) from exc
+    connected = True
+    return nc
+
+
+def _is_auth_refusal(exc: Exception) -> bool:
+    """The server refused the credentials (or their absence): another try cannot succeed."""
+    return "authorization violation" in str(exc).lower()
 
 
 def stream_config(spec: StreamSpec, replicas: int = 1) -> js_api.StreamConfig:
@@ -141,7 +182,8 @@ def stream_replicas(replicas: int | None) -> int:
 
 
 async def ensure_streams(js: JetStreamContext, max_msg_size: int | None = None, replicas: int | None = None) -> None:
-    """Create or update every stream of the contract (idempotent; safe from every service at start).
+    """Create or update every stream of the contract (idempotent; safe from every service at start; a service
+    whose NATS user may not update streams leaves a changed configuration to the scheduler).
 
     ``replicas`` (default: ``ROLLOUT_STREAM_REPLICAS``) is 1 on one NATS server and 3 on a JetStream cluster.
     """
@@ -153,7 +195,13 @@ async def ensure_streams(js: JetStreamContext, max_msg_size: int | None = None, 
         try:
             await js.add_stream(cfg)
         except BadRequestError:
-            await js.update_stream(cfg)
+            try:
+                await js.update_stream(cfg)
+            except nats.errors.TimeoutError as exc:
+                # No answer: on a server with authorization only the scheduler's user may update a stream (the
+                # others are refused, which nats-py sees as a timeout); the scheduler applies it at its start.
+                log.warning("nats.stream_not_updated", stream=spec.name, error=str(exc) or "no answer",
+                            hint="only the scheduler's NATS user may change a stream's configuration")
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
@@ -288,6 +336,7 @@ __all__ = [
     "NATS",
     "JetStreamContext",
     "Msg",
+    "NatsSecurity",
     "connect",
     "delivery_attempt",
     "ensure_consumer",
