@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +25,7 @@ from rollout_ledger.services.scheduler.api.errors import (
     on_validation_error,
 )
 from rollout_ledger.services.scheduler.api.guard import BodyGuard
+from rollout_ledger.services.scheduler.api.openapi import behaving_schema
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics, create_metrics
 from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
@@ -166,33 +166,6 @@ class _MetricsAuth:
         await self.app(scope, receive, send)
 
 
-def _document_limits(app: FastAPI, settings: SchedulerSettings) -> None:
-    """Put this deployment's request limits into the OpenAPI schema (info.description and ``x-limits``)."""
-    limits = {
-        "max_body_bytes": settings.max_body_bytes, "max_json_depth": settings.max_json_depth,
-        "max_string_chars": settings.max_string_chars, "max_metadata_bytes": settings.max_metadata_bytes,
-        "max_task_bytes": settings.max_task_bytes, "max_batch_episodes": settings.max_batch_episodes,
-    }
-    plain = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = plain()
-            schema["info"]["x-limits"] = limits
-            schema["info"]["description"] = (
-                "Every /v1 route needs a bearer token: ROLLOUT_API_TOKEN (scopes read and write) or "
-                "ROLLOUT_API_READ_TOKEN (read). Request limits of this deployment: "
-                + ", ".join(f"{k} {v}" for k, v in limits.items())
-                + ". A body over max_body_bytes, metadata over max_metadata_bytes, a task over max_task_bytes or a "
-                "batch over max_batch_episodes is a 413; nesting deeper than max_json_depth, a string longer than "
-                "max_string_chars, NaN, integers beyond 64 bits, NUL characters and lone surrogates are a 422 "
-                "naming the field.")
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
-
-
 def create_app(settings: SchedulerSettings, *, with_lifespan: bool = True) -> FastAPI:
     """A scheduler app; its lifespan connects NATS and Postgres (refusing an old schema) and runs the outbox.
 
@@ -218,7 +191,7 @@ def create_app(settings: SchedulerSettings, *, with_lifespan: bool = True) -> Fa
     app.include_router(envs_api.router)
     app.include_router(policy_api.router)
     ops_app(SERVICE, health, metrics.registry, app)
-    _document_limits(app, settings)
+    app.openapi = behaving_schema(app, settings)  # type: ignore[method-assign]  # FastAPI's documented override
     app.add_middleware(BodyGuard, settings=settings)
     app.add_middleware(_MetricsAuth, settings=settings)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)

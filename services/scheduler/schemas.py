@@ -7,9 +7,9 @@ sends, ``*Public`` what the API returns.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from rollout_ledger.shared.events import ContextPolicy, SamplingParams
 from rollout_ledger.shared.policy import SwapMode, WorkerPolicyState
@@ -20,7 +20,25 @@ EPISODE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}\.[0-9]{1,9}\.[0-9]{1,9}$"
 INT32_MAX = 2**31 - 1
 
 
-class SamplingRequest(SamplingParams):
+def _is_number(annotation: Any) -> bool:
+    return any(a in (int, float) for a in (get_args(annotation) or (annotation,)))
+
+
+class NoCoercion(BaseModel):
+    """Numbers of a request are JSON numbers: ``true`` or ``"5"`` where a number belongs is a 422 (pydantic's lax
+    mode would read them as 1 and 5, accepting what the schema calls invalid). ``5.0`` stays an integer 5, as JSON
+    Schema says."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _is_number(field.annotation) and isinstance(value, bool | str):
+            raise ValueError(f"Input should be a number, not a {'boolean' if isinstance(value, bool) else 'string'}")
+        return value
+
+
+class SamplingRequest(NoCoercion, SamplingParams):
     """``sampling`` of a request: the event's fields, strictly (a misspelt field is a 422 here, while the bus
     contract ignores fields it does not know; see docs/architecture.md, "Contract evolution")."""
 
@@ -31,7 +49,7 @@ class SamplingRequest(SamplingParams):
         return SamplingParams.model_validate(self.model_dump())
 
 
-class ContextRequest(ContextPolicy):
+class ContextRequest(NoCoercion, ContextPolicy):
     """``context`` of a request, strictly (see ``SamplingRequest``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -41,7 +59,7 @@ class ContextRequest(ContextPolicy):
         return ContextPolicy.model_validate(self.model_dump())
 
 
-class BatchBase(BaseModel):
+class BatchBase(NoCoercion):
     """What defines how every episode of a batch runs."""
 
     model_config = ConfigDict(extra="forbid")
@@ -324,7 +342,7 @@ class ValidationErrorPublic(BaseModel):
     message: str
 
 
-class PolicyVersionCreate(BaseModel):
+class PolicyVersionCreate(NoCoercion):
     """POST /v1/policy/versions: a trainer announces new weights as the next policy version."""
 
     model_config = ConfigDict(extra="forbid")

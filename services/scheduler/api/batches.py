@@ -11,7 +11,7 @@ from structlog.contextvars import bound_contextvars
 
 from rollout_ledger.services.scheduler import admission, envs, store
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, StateDep, WriteDep
-from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES, WRITE_RESPONSES, field_error
+from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES, WRITE_RESPONSES
 from rollout_ledger.services.scheduler.planning import (
     BatchRunSpec,
     json_size,
@@ -54,7 +54,9 @@ def _not_found(batch_id: str) -> HTTPException:
     responses={
         **WRITE_RESPONSES,
         200: {"model": BatchCreatedPublic, "description": "The batch existed with the same request"},
-        400: {"model": ErrorPublic, "description": "Unknown env (the message lists the known ones)"},
+        400: {"model": ErrorPublic, "description": "Unknown env (the message lists the known ones), or "
+                                                   "episodes_per_version that does not fit group_size or has no "
+                                                   "staleness bound (the message names the field)"},
         409: {"model": ErrorPublic, "description": "The batch id exists with a different request"},
         413: {"model": ErrorPublic, "description": "The body is over ROLLOUT_MAX_BODY_BYTES, the batch over "
                                                    "ROLLOUT_MAX_BATCH_EPISODES, a task over ROLLOUT_MAX_TASK_BYTES or "
@@ -88,15 +90,15 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
     max_staleness = body.max_staleness if body.max_staleness is not None else settings.max_staleness
     if body.episodes_per_version is not None:
         if max_staleness is None:
-            raise field_error(
-                "episodes_per_version",
-                "episodes_per_version bounds the run-ahead of a staleness bound: set max_staleness too "
+            raise HTTPException(
+                status.HTTP_400_BAD_REQUEST,
+                "episodes_per_version: it bounds the run-ahead of a staleness bound: set max_staleness too "
                 "(this deployment has no ROLLOUT_MAX_STALENESS)",
             )
         if body.episodes_per_version % body.group_size:
-            raise field_error(
-                "episodes_per_version",
-                f"episodes_per_version {body.episodes_per_version} is not a multiple of group_size "
+            raise HTTPException(
+                status.HTTP_400_BAD_REQUEST,
+                f"episodes_per_version: {body.episodes_per_version} is not a multiple of group_size "
                 f"{body.group_size}: admission starts whole groups",
             )
     rhash = request_hash(body)
