@@ -31,12 +31,13 @@ _HANDED_BACK_DELAY_S = 2.0
 
 
 def dead_letter_headers(subject: str, stream_seq: int, reason: str, size: int) -> dict[str, str]:
-    """Headers of the dead-letter copy of a message (header values are one line of printable text)."""
+    """Headers of the dead-letter copy of a message (header values are one line of printable ASCII: control and
+    non-ASCII characters of the reason are escaped)."""
     headers = {
         MSG_ID_HEADER: f"dead:{subject}:{stream_seq}",
         DEAD_SUBJECT_HEADER: subject,
         DEAD_SEQ_HEADER: str(stream_seq),
-        DEAD_REASON_HEADER: " ".join(reason.split())[:1000].encode("ascii", "backslashreplace").decode(),
+        DEAD_REASON_HEADER: " ".join(reason.split())[:1000].encode("unicode_escape").decode("ascii"),
     }
     if size > DEAD_LETTER_MAX_PAYLOAD:
         headers[DEAD_TRUNCATED_HEADER] = str(size)
