@@ -4,12 +4,16 @@ default bind is loopback)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+import yaml
 
 from rollout_ledger.services import catalog
 from rollout_ledger.shared import nats_auth
 from rollout_ledger.shared.kit.settings import BaseServiceSettings
-from tests.deploy.manifests import OVERLAYS, Rendered, base_name, render
+from tests.deploy.manifests import OVERLAYS, Rendered, base_name, kustomize, render, validate
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -54,3 +58,26 @@ def test_http_servers_bind_the_pod_address_only_where_configured(rendered: Rende
     assert BaseServiceSettings.model_fields["http_host"].default == "127.0.0.1"
     for workload in (w for w in catalog.WORKLOADS.values() if w.serves_http):
         assert rendered.container(workload.name).env.get("ROLLOUT_HTTP_HOST") == "0.0.0.0", workload.name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nats_tls_component(overlay: str, tmp_path: Path) -> None:
+    """components/nats-tls on an overlay: NATS serves TLS with the Secret's certificate, every bus service
+    connects with tls:// and verifies it with the mounted CA; the result validates strictly."""
+    root = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{os.path.relpath(root / 'overlays' / overlay, tmp_path)}]\n"
+        f"components: [{os.path.relpath(root / 'components' / 'nats-tls', tmp_path)}]\n")
+    text = kustomize(tmp_path)
+    proc = validate(text)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = Rendered(overlay, text, [o for o in yaml.safe_load_all(text) if o])
+    nats = r.container("nats")
+    assert {"--tls", "--tlscert=/etc/nats-tls/tls.crt", "--tlskey=/etc/nats-tls/tls.key"} <= set(nats.spec["args"])
+    for name in nats_auth.USERS:
+        c = r.container(name)
+        assert str(c.env["NATS_URL"]).startswith("tls://"), name
+        ca = str(c.env["ROLLOUT_NATS_TLS_CA"])
+        mounts = {m["mountPath"] for m in c.spec["volumeMounts"]}
+        assert any(ca.startswith(f"{m}/") for m in mounts), f"{name}: {ca} is not mounted"
