@@ -260,6 +260,12 @@ async def check_schema(engine: AsyncEngine) -> None:
             if exists is not None:
                 current = (await conn.execute(text("select version_num from alembic_version"))).scalar()
     except Exception as exc:
+        if "permission denied for table alembic_version" in str(exc):
+            # a service login before migration 0012 made its role (or a login outside every service role)
+            raise SchemaVersionError(
+                f"this login may not read the schema revision: the database is older than this code's {expected} "
+                "(which grants it to the service roles) or the login is in none of them: run `rollout db upgrade` "
+                "(or `make migrate`) as the owner, then `rollout db create-logins`") from exc
         raise StoreError(f"cannot reach Postgres: {exc}") from exc
     if current != expected:
         raise SchemaVersionError(

@@ -152,12 +152,41 @@ def model_dir() -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def login_names(servers: Servers) -> Iterator[dict[str, tuple[str, str]]]:
+    """Service -> (user, password) of this session's Postgres logins (migration 0012's roles), dropped at the end."""
+    import secrets
+
+    from rollout_ledger.migrations.logins import SERVICE_ROLES
+
+    tag = uuid.uuid4().hex[:6]
+    names = {s: (f"rl_t{tag}_{s.replace('-', '_')}", secrets.token_urlsafe(18)) for s in SERVICE_ROLES}
+    yield names
+    with psycopg.connect(_plain(servers.database_url), autocommit=True) as conn:
+        for user, _ in names.values():
+            conn.execute(f'DROP ROLE IF EXISTS "{user}"')
+
+
 @pytest.fixture
-def stack(nats_url: str, database_url: str, model_dir: str, tmp_path: Path,
+def service_logins(database_url: str, login_names: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """Service -> the DSN of its own login on the test's database: what ``stack`` runs the scheduler and the
+    recorder with, so every test of the real processes runs them under their roles' grants."""
+    from rollout_ledger.migrations.logins import create_login, login_url
+
+    for service, (user, password) in login_names.items():
+        create_login(database_url, service, user, password)
+    return {service: login_url(database_url, user, password) for service, (user, password) in login_names.items()}
+
+
+@pytest.fixture
+def stack(nats_url: str, database_url: str, model_dir: str, tmp_path: Path, service_logins: dict[str, str],
           request: pytest.FixtureRequest) -> Iterator[Stack]:
-    """Real service processes on the test's NATS and database; logs printed when the test fails."""
+    """Real service processes on the test's NATS and database, the scheduler and the recorder each as its own
+    Postgres login; logs printed when the test fails."""
     logs = tmp_path / "logs"
-    with Stack(nats_url, database_url, logs, env={"ROLLOUT_MODEL": model_dir}, api_token=API_TOKEN) as st:
+    on_roles = {service: {"DATABASE_URL": service_logins[service]} for service in ("scheduler", "recorder")}
+    with Stack(nats_url, database_url, logs, env={"ROLLOUT_MODEL": model_dir}, api_token=API_TOKEN,
+               service_env=on_roles) as st:
         yield st
         failed = getattr(request.node, "rep_call", None)
         if failed is not None and failed.failed:
