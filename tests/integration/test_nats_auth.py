@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from nats.js.errors import NotFoundError
 
-from rollout_ledger.cli.stack.servers import ADMIN_USER, NatsTls, PrivateNats
+from rollout_ledger.cli.stack.servers import ADMIN_USER, NatsTls, PrivateNats, free_port
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.shared import nats_auth
 from rollout_ledger.shared.errors import BusError
@@ -102,6 +102,14 @@ async def test_no_anonymous_or_wrong_login(secured: PrivateNats) -> None:
             user="scheduler", password=secured.passwords["env-worker"]))
 
 
+async def test_a_dead_server_fails_within_the_initial_wait() -> None:
+    """nats-py alone retries a first connection forever; bus.connect gives up after ``initial_wait_s``."""
+    with pytest.raises(BusError, match=r"within 1\.0s") as err:
+        await bus.connect(f"nats://127.0.0.1:{free_port()}", name="dead", initial_wait_s=1.0,
+                          security=NatsSecurity())
+    assert err.value.retryable is True
+
+
 async def test_env_worker_cannot_cancel_announce_or_forge_advisories(secured: PrivateNats,
                                                                      admin: bus.NATS) -> None:
     worker = await _as(secured, nats_auth.ENV_WORKER)
@@ -151,6 +159,12 @@ async def test_recorder_and_inference_worker_stay_in_their_lanes(secured: Privat
         await sub.unsubscribe()
         with pytest.raises(TimeoutError):
             await inference.jetstream().publish(event_subject("episode.finished"), b"{}", timeout=DENIED_WAIT_S)
+        # nor another service's replies, nor the event log as it is written
+        for subject in (f"{nats_auth.inbox_prefix(nats_auth.ENV_WORKER)}.>", "rl.events.>"):
+            snoop = await recorder.subscribe(subject)
+            await recorder.flush()
+            assert await _refused(recorder, f'subscription to "{subject}"')
+            await snoop.unsubscribe()
         assert await _messages(admin, EVENTS_STREAM) == 0
         # what each may do goes through: a turn event from the inference worker is stored
         await inference.jetstream().publish(event_subject("turn.generated"), b"{}", timeout=5)
