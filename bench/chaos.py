@@ -39,7 +39,7 @@ from rollout_ledger.migrations.runner import sync_url
 from rollout_ledger.shared.lifecycle import TERMINAL
 
 KILL_ORDER = ("env-worker", "inference-worker", "recorder", "scheduler")
-_IN_FLIGHT = {"env-worker": "rollout_episodes_in_flight", "inference-worker": "rollout_inference_inflight"}
+_IN_FLIGHT = {"env-worker": "rollout_work_items_held", "inference-worker": "rollout_inference_inflight"}
 """The gauge of work in hand, per service killed mid-work."""
 
 
@@ -75,6 +75,7 @@ class ChaosConfig:
     env_workers: int = 3
     inference_workers: int = 2
     quiesce_timeout_s: float = 600.0
+    log_level: str = "WARNING"
     keep_logs: str = ""
     """A folder the services' logs are copied to before the stack's files are removed (empty: not kept)."""
     echo: Callable[[str], None] = field(default=lambda s: print(s, file=sys.stderr, flush=True))
@@ -113,7 +114,7 @@ class Chaos:
     def __init__(self, cfg: ChaosConfig) -> None:
         self.cfg = cfg
         env = {"ROLLOUT_FAKE_DELAY_S": str(cfg.fake_delay_s), "ROLLOUT_CONCURRENCY": str(cfg.concurrency),
-               "ROLLOUT_ACK_WAIT_S": "5", "ROLLOUT_LOG_LEVEL": "WARNING",
+               "ROLLOUT_ACK_WAIT_S": "5", "ROLLOUT_LOG_LEVEL": cfg.log_level,
                # a turn asked for while NATS restarts meets "no responders" until the inference workers are back:
                # tries enough to span a restart (each after a pause of up to 2 s)
                "ROLLOUT_INFERENCE_MAX_TRIES": "8", "ROLLOUT_INFERENCE_BACKOFF_MAX_S": "2",
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("nats_down_s", "pg_down_s", "gap_s", "fake_delay_s", "quiesce_timeout_s"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
     parser.add_argument("--keep-logs", default="", help="copy the services' logs to this folder")
+    parser.add_argument("--log-level", default=defaults.log_level)
     args = parser.parse_args(argv)
     cfg = ChaosConfig(**vars(args))
     result = Chaos(cfg).run()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -49,6 +50,9 @@ from rollout_ledger.shared.subjects import (
 )
 
 log = get_logger(__name__)
+
+TURN_RECOVERY_PREFIX = "turns-"
+"""Names of the short-lived consumers on RL_EVENTS that look up turns whose reply a NATS restart lost."""
 
 
 class TryFailed(InferenceError):
@@ -147,11 +151,14 @@ class InferenceClient:
         try:
             js = self.nc.jetstream()
             start = datetime.fromtimestamp(since - 5.0, tz=UTC)
-            psub = await js.pull_subscribe(
-                event_subject("turn.generated"), stream=EVENTS_STREAM,
-                config=js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.BY_START_TIME, opt_start_time=start,
-                                             ack_policy=js_api.AckPolicy.NONE, inactive_threshold=30.0,
-                                             mem_storage=True))
+            # A named consumer filtered to turns (subject $JS.API.CONSUMER.CREATE.RL_EVENTS.<name>.<filter>, so NATS
+            # permissions can limit it to turns); not deleted: the server drops it 30 s after its last pull.
+            name = f"{TURN_RECOVERY_PREFIX}{uuid.uuid4().hex[:16]}"
+            await js.add_consumer(EVENTS_STREAM, js_api.ConsumerConfig(
+                name=name, filter_subject=event_subject("turn.generated"),
+                deliver_policy=js_api.DeliverPolicy.BY_START_TIME, opt_start_time=start,
+                ack_policy=js_api.AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True))
+            psub = await js.pull_subscribe_bind(consumer=name, stream=EVENTS_STREAM)
             try:
                 while True:
                     try:

@@ -25,6 +25,7 @@ class EnvWorkerMetrics:
     attempts_retried: Counter
     work_items_parked: Counter
     work_items_fenced: Counter
+    work_items_held: Gauge
     policy_paused: Gauge
     policy_pause_seconds: Histogram
     policy_episode_drain_seconds: Histogram
@@ -59,6 +60,8 @@ def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics
         work_items_fenced=Counter("rollout_work_items_fenced_total",
                                   "Deliveries of a work item whose episode a live lease holder was running (after a "
                                   "NATS restart): held, not run again", registry=registry),
+        work_items_held=Gauge("rollout_work_items_held", "Work items this worker holds unacked: episodes running, "
+                              "waiting for the policy gate or for their lease", registry=registry),
         policy_paused=Gauge("rollout_policy_paused", "1 while this worker starts no new episode for a policy version "
                             "announced in mode drain", registry=registry),
         policy_pause_seconds=Histogram("rollout_policy_pause_seconds", "Time new episodes were held back for a "

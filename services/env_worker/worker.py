@@ -107,6 +107,7 @@ class EnvWorker:
         self._stopping = asyncio.Event()
         metrics.cancelled_batches.set_function(lambda: len(self.cancels.cancelled))
         self.tasks: set[asyncio.Task[None]] = set()
+        metrics.work_items_held.set_function(lambda: len(self.tasks))
         self._slot_free = asyncio.Event()
         self.leases = EpisodeLeases(self.js, settings.worker_id, uuid.uuid4().hex[:12])
         self.running: dict[str, _Running] = {}

@@ -6,13 +6,15 @@ but the work the killed env worker had in hand (its episodes run again as new at
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 from bench.chaos import Chaos, ChaosConfig
 
 
-def test_chaos_small_loses_nothing_duplicates_nothing() -> None:
+def test_chaos_small_loses_nothing_duplicates_nothing(tmp_path: Path) -> None:
     cfg = ChaosConfig(episodes=160, turns=4, kills=1, nats_down_s=2.0, pg_down_s=3.0, gap_s=2.0, fake_delay_s=0.5,
-                      concurrency=3, env_workers=2, inference_workers=2, quiesce_timeout_s=120.0)
+                      concurrency=3, env_workers=2, inference_workers=2, quiesce_timeout_s=120.0, log_level="INFO",
+                      keep_logs=str(tmp_path / "logs"))
     result = Chaos(cfg).run()
     print(asdict(result))
     assert result.terminal == 160 and result.lost == 0
