@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import func, select
+from starlette.requests import Request
 
 from rollout_ledger.services.scheduler.api.errors import on_unavailable
 from rollout_ledger.services.scheduler.api.guard import check_body
@@ -225,7 +226,8 @@ async def test_listing_envs_leaves_no_consumer(api: Api) -> None:
 
 async def test_a_database_failure_is_503_without_its_text() -> None:
     exc = StoreError('insert batch: value "x" violates check constraint; SELECT * FROM batches WHERE id = \'a\'')
-    r = await on_unavailable(httpx.Request("POST", "http://s/v1/batches"), exc)  # type: ignore[arg-type]
+    request = Request({"type": "http", "method": "POST", "path": "/v1/batches", "headers": [], "query_string": b""})
+    r = await on_unavailable(request, exc)
     assert r.status_code == 503
     assert json.loads(bytes(r.body)) == {"detail": "the database is unavailable (retry later)"}
 

@@ -57,7 +57,9 @@ def _error(description: str) -> dict[str, Any]:
     return {"model": ErrorPublic, "description": description}
 
 
-UNAVAILABLE = {503: _error("NATS or Postgres is unavailable, or the scheduler is starting or stopping (retry)")}
+UNAVAILABLE: dict[int | str, dict[str, Any]] = {
+    503: _error("NATS or Postgres is unavailable, or the scheduler is starting or stopping (retry)"),
+}
 READ_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _error("Missing or unknown bearer token"),
     422: {"model": ValidationErrorPublic, "description": "A path parameter is invalid (the message names it)"},
