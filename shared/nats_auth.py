@@ -125,6 +125,9 @@ def permission_table() -> dict[str, Permissions]:
             publish=(*_topology(update=False), *_durable(sj.WORK_STREAM, sj.WORK_CONSUMER),
                      sj.WORK_SUBJECT,  # hand-back of a work item of a newer contract major (bus.hand_back)
                      f"{API}.STREAM.MSG.GET.{sj.WORK_STREAM}",  # is the work item of a leased episode still queued
+                     # after a NATS restart: turns whose reply was lost, read back from RL_EVENTS (a short-lived
+                     # push consumer filtered to turn.generated, into its own inbox; inference_client.recover)
+                     f"{API}.CONSUMER.CREATE.{sj.EVENTS_STREAM}.*.{sj.event_subject('turn.generated')}",
                      sj.WORK_DEAD_LETTER_SUBJECT, *_events(ENV_WORKER),
                      sj.INFER_ANY, sj.infer_worker_subject("*"), sj.INFER_CANCEL,
                      *_kv_write(sj.ENVS_BUCKET), *_kv_write(sj.POLICY_ENV_BUCKET), *_kv_write(sj.LEASE_BUCKET),

@@ -151,30 +151,33 @@ class InferenceClient:
         try:
             js = self.nc.jetstream()
             start = datetime.fromtimestamp(since - 5.0, tz=UTC)
-            # A named consumer filtered to turns (subject $JS.API.CONSUMER.CREATE.RL_EVENTS.<name>.<filter>, so NATS
-            # permissions can limit it to turns); not deleted: the server drops it 30 s after its last pull.
+            # A push consumer filtered to turns, delivering into this client's own inbox: the only grant it needs is
+            # $JS.API.CONSUMER.CREATE.RL_EVENTS.<name>.rl.events.turn.generated (shared/nats_auth.py). Not deleted:
+            # the server drops it 30 s after it went quiet.
             name = f"{TURN_RECOVERY_PREFIX}{uuid.uuid4().hex[:16]}"
-            await js.add_consumer(EVENTS_STREAM, js_api.ConsumerConfig(
-                name=name, filter_subject=event_subject("turn.generated"),
-                deliver_policy=js_api.DeliverPolicy.BY_START_TIME, opt_start_time=start,
-                ack_policy=js_api.AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True))
-            psub = await js.pull_subscribe_bind(consumer=name, stream=EVENTS_STREAM)
+            inbox = self.nc.new_inbox()
+            queue: asyncio.Queue[Msg] = asyncio.Queue()
+            sub = await self.nc.subscribe(inbox, cb=queue.put)
             try:
+                await js.add_consumer(EVENTS_STREAM, js_api.ConsumerConfig(
+                    name=name, deliver_subject=inbox, filter_subject=event_subject("turn.generated"),
+                    deliver_policy=js_api.DeliverPolicy.BY_START_TIME, opt_start_time=start,
+                    ack_policy=js_api.AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True))
                 while True:
                     try:
-                        msgs = await psub.fetch(512, timeout=1.0)
-                    except Exception:  # nats-py's fetch timeout types: the stream is read to its end
+                        msg = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    except TimeoutError:  # nothing more: the stream is read to its end
                         break
-                    for msg in msgs:
-                        fut = self._by_request.get((msg.headers or {}).get(MSG_ID_HEADER, ""))
-                        if fut is not None and not fut.done():
-                            fut.set_result(msg)
-                            found += 1
-                    if not msgs or msgs[-1].metadata.num_pending == 0:
-                        break
+                    fut = self._by_request.get((msg.headers or {}).get(MSG_ID_HEADER, ""))
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                        found += 1
+                    with contextlib.suppress(Exception):
+                        if msg.metadata.num_pending == 0:
+                            break
             finally:
                 with contextlib.suppress(Exception):
-                    await psub.unsubscribe()
+                    await sub.unsubscribe()
         except Exception as exc:  # NATS gone again: the tries fail over by heartbeat or timeout as usual
             log.warning("inference.recover_failed", error=f"{type(exc).__name__}: {exc}")
         log.info("inference.recovered_replies", recovered=found)

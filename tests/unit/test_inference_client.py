@@ -28,11 +28,12 @@ from rollout_ledger.shared.events import (
     encode,
 )
 from rollout_ledger.shared.kit import bus
-from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
+from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, event_subject, infer_worker_subject
 
 
 class Responder:
-    """An in-test inference worker: ``mode`` is reply, silent, retryable or fatal."""
+    """An in-test inference worker: ``mode`` is reply, silent, retryable, fatal or lost_reply (the turn is stored on
+    RL_EVENTS, as a worker does before replying, and the reply never arrives: a NATS restart in between)."""
 
     def __init__(self, nc: bus.NATS, worker_id: str, mode: str = "reply", capacity: int = 8,
                  join_any: bool = False) -> None:
@@ -90,6 +91,10 @@ class Responder:
             turn_index=req.turn_index, prompt_len=len(req.prompt_token_ids), token_ids=np.asarray([5, 6, 2]),
             logprobs=np.zeros(3, dtype=np.float32), finish_reason=FinishReason.STOP, weight_version=0,
             engine="test", worker_id=self.worker_id, queue_ms=0.0, generate_ms=0.0)
+        if self.mode == "lost_reply":
+            await self.nc.jetstream().publish(event_subject("turn.generated"), encode(turn),
+                                              headers={"Nats-Msg-Id": turn.event_id})
+            return
         await self.nc.publish(msg.reply, encode(turn))
 
 
@@ -219,3 +224,19 @@ async def test_request_timeout_counts_as_a_try(nc: bus.NATS) -> None:
     assert [r.request_id for r in slow.requests] == ["b.0.0:a1:t0:r1"]  # try 2 went to INFER_ANY (excluded)
     await slow.stop()
     await c.stop()
+
+
+async def test_a_reply_lost_in_a_nats_restart_is_read_back_from_the_stream(nc: bus.NATS,
+                                                                            client: InferenceClient) -> None:
+    """After a NATS restart the tries still waiting are answered from their stored turn, not tried again (a second
+    try would generate the turn twice)."""
+    worker = await Responder(nc, "w-lost", mode="lost_reply").start()
+    await until(lambda: "w-lost" in client.workers)
+    since = time.time()
+    pending = asyncio.create_task(client.generate(request_builder(turn=7)))
+    await until(lambda: len(worker.requests) == 1)
+    assert await client.recover(since, grace_s=0.0) == 1
+    turn = await asyncio.wait_for(pending, 5)
+    assert turn.request_id == "b.0.0:a1:t7:r1" and turn.worker_id == "w-lost"
+    assert client.retries == [] and len(worker.requests) == 1  # nothing generated twice
+    await worker.stop()
