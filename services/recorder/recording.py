@@ -116,7 +116,9 @@ def _out_of_place(d: Delivery, ev: Event) -> tuple[str, str] | None:
     return None
 
 
-_RECORDED = (EpisodeStarted, TurnGenerated, StepCompleted, EpisodeFinished, EpisodeFailed, EpisodeCancelled)
+RecordedEvent: TypeAlias = (EpisodeStarted | TurnGenerated | StepCompleted | EpisodeFinished | EpisodeFailed
+                            | EpisodeCancelled)
+"""The event types the recorder writes (every other one on the event stream is dead-lettered)."""
 
 
 TerminalEvent: TypeAlias = EpisodeFinished | EpisodeFailed | EpisodeCancelled
@@ -140,14 +142,14 @@ async def record_batch(tx: Tx, batch: list[Delivery], assembly_max_deliveries: i
         out.dead_letters[reason_class] += 1
         out.actions[i] = Action.TERM
 
-    candidates: list[tuple[int, Event]] = []
+    candidates: list[tuple[int, RecordedEvent]] = []
     for i, d in enumerate(batch):
         ev = d.event
         if d.error_class == NEWER_CONTRACT:
             out.actions[i] = Action.PARK
             out.parked += 1
             continue
-        if ev is None or not isinstance(ev, _RECORDED):
+        if ev is None or not isinstance(ev, RecordedEvent):
             refuse(i, d.error or f"unexpected event type {getattr(ev, 'type', '?')} on the event stream",
                    d.error_class or "unexpected_type")
             continue
