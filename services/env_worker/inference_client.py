@@ -142,11 +142,16 @@ class InferenceClient:
 
     async def recover(self, since: float, grace_s: float) -> int:
         """After ``grace_s`` (replies still on their way arrive as usual), answer each try still waiting from its
-        turn on RL_EVENTS, if its worker published one since ``since`` (wall time, a few seconds of margin); the
-        number answered. A try without a stored turn keeps waiting (its worker may still be generating)."""
+        turn on RL_EVENTS, if its worker published one since ``since`` (wall time, a few seconds of margin), or
+        publishes it later (a generation that ends after the restart: under NATS permissions its reply is refused,
+        the server no longer knowing the request); the number answered. Reads until every such try is answered or
+        has failed (``request_timeout_s``): a try whose request died with the server fails over as usual."""
         await asyncio.sleep(grace_s)
-        if not any(not f.done() for f in self._by_request.values()):
+        targets = {rid: f for rid, f in self._by_request.items() if not f.done()}
+        if not targets:
             return 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.request_timeout_s
         found = 0
         try:
             js = self.nc.jetstream()
@@ -163,18 +168,15 @@ class InferenceClient:
                     name=name, deliver_subject=inbox, filter_subject=event_subject("turn.generated"),
                     deliver_policy=js_api.DeliverPolicy.BY_START_TIME, opt_start_time=start,
                     ack_policy=js_api.AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True))
-                while True:
+                while any(not f.done() for f in targets.values()) and loop.time() < deadline:
                     try:
-                        msg = await asyncio.wait_for(queue.get(), timeout=1.0)
-                    except TimeoutError:  # nothing more: the stream is read to its end
-                        break
-                    fut = self._by_request.get((msg.headers or {}).get(MSG_ID_HEADER, ""))
+                        msg = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    except TimeoutError:  # no turn stored meanwhile: look at the tries again
+                        continue
+                    fut = targets.get((msg.headers or {}).get(MSG_ID_HEADER, ""))
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                         found += 1
-                    with contextlib.suppress(Exception):
-                        if msg.metadata.num_pending == 0:
-                            break
             finally:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

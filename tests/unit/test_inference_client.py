@@ -80,10 +80,14 @@ class Responder:
         self.requests.append(req)
         if self.mode == "silent":
             return
+        await self.serve(req, msg.reply)
+
+    async def serve(self, req: InferenceRequested, reply: str = "") -> None:
+        """Answer ``req`` as ``mode`` says (a reply to ``reply``, or the turn stored and no reply)."""
         if self.mode in ("retryable", "fatal"):
             retryable = "true" if self.mode == "retryable" else "false"
             headers = {"Rollout-Error": "EngineError", "Rollout-Retryable": retryable}
-            await self.nc.publish(msg.reply, b"engine said no", headers=headers)
+            await self.nc.publish(reply, b"engine said no", headers=headers)
             return
         turn = TurnGenerated(
             event_id=req.request_id, episode_id=req.episode_id, batch_id=req.batch_id, attempt=req.attempt,
@@ -95,7 +99,7 @@ class Responder:
             await self.nc.jetstream().publish(event_subject("turn.generated"), encode(turn),
                                               headers={"Nats-Msg-Id": turn.event_id})
             return
-        await self.nc.publish(msg.reply, encode(turn))
+        await self.nc.publish(reply, encode(turn))
 
 
 def request_builder(turn: int = 0) -> Any:
@@ -239,4 +243,22 @@ async def test_a_reply_lost_in_a_nats_restart_is_read_back_from_the_stream(nc: b
     turn = await asyncio.wait_for(pending, 5)
     assert turn.request_id == "b.0.0:a1:t7:r1" and turn.worker_id == "w-lost"
     assert client.retries == [] and len(worker.requests) == 1  # nothing generated twice
+    await worker.stop()
+
+
+async def test_a_turn_stored_after_the_restart_is_read_back_too(nc: bus.NATS, client: InferenceClient) -> None:
+    """A generation that ends after the restart: its reply is refused (the restarted server does not know the
+    request any more), its turn is stored; the recovery, already reading, answers the try with it."""
+    worker = await Responder(nc, "w-late", mode="silent").start()
+    await until(lambda: "w-late" in client.workers)
+    since = time.time()
+    pending = asyncio.create_task(client.generate(request_builder(turn=8)))
+    await until(lambda: len(worker.requests) == 1)
+    recovery = asyncio.create_task(client.recover(since, grace_s=0.0))
+    await asyncio.sleep(0.5)  # the recovery reads the stream: nothing for this try yet
+    worker.mode = "lost_reply"
+    await worker.serve(worker.requests[0])
+    assert await asyncio.wait_for(recovery, 5) == 1
+    turn = await asyncio.wait_for(pending, 5)
+    assert turn.request_id == "b.0.0:a1:t8:r1" and client.retries == []
     await worker.stop()
