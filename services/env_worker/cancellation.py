@@ -1,9 +1,14 @@
-"""Keeps the set of cancelled batch ids current from a watch on the ``rl_cancelled`` KV bucket."""
+"""Keeps the set of cancelled batch ids current from a watch on the ``rl_cancelled`` KV bucket.
+
+Only the scheduler writes that bucket (NATS permissions), and it writes the cancellation time as the value: an
+entry whose value is not such a time is not the scheduler's and is ignored (logged), so garbage in the bucket
+cancels nothing."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import datetime
 
 from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
@@ -42,6 +47,9 @@ class CancelWatch:
                 continue
             if entry.operation in _REMOVED:
                 self.cancelled.discard(entry.key)
+            elif not _is_cancellation_time(entry.value):
+                log.warning("batch.cancel_entry_refused", batch_id=entry.key, value=repr((entry.value or b"")[:100]),
+                            reason="not the scheduler's cancellation time")
             else:
                 if entry.key not in self.cancelled:
                     log.info("batch.cancelled", batch_id=entry.key)
@@ -55,3 +63,12 @@ class CancelWatch:
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()
+
+
+def _is_cancellation_time(value: bytes | None) -> bool:
+    """Whether a ``rl_cancelled`` value is what the scheduler writes (``mark_cancelled``: an ISO 8601 time)."""
+    try:
+        datetime.fromisoformat((value or b"").decode())
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return True
