@@ -45,6 +45,26 @@ max-deliveries advisory), system-account requests, removing streams or their con
 DENY_SUBSCRIBE = ("$SYS.>",)
 
 
+def _durables() -> dict[tuple[str, str], str]:
+    """(stream, durable consumer) -> the one user that owns it (declares, pulls and acks)."""
+    return {(sj.WORK_STREAM, sj.WORK_CONSUMER): ENV_WORKER, (sj.EVENTS_STREAM, sj.RECORDER_CONSUMER): RECORDER,
+            (sj.ADVISORY_STREAM, sj.ADVISORY_CONSUMER): RECORDER,
+            (sj.DEAD_LETTER_STREAM, sj.DEAD_LETTER_CONSUMER): RECORDER}
+
+
+def deny_publish(user: str) -> tuple[str, ...]:
+    """``DENY_PUBLISH`` and, whatever wildcard a grant holds, every way to change, pull from or ack a durable consumer
+    of another user (create-or-update could re-filter the recorder's consumer; a pull would take its deliveries)."""
+    foreign = []
+    for (stream, durable), owner in _durables().items():
+        if owner == user:
+            continue
+        foreign += [f"{API}.CONSUMER.{verb}.{stream}.{durable}" for verb in ("CREATE", "DELETE", "PAUSE", "RESET",
+                                                                             "UNPIN", "DURABLE.CREATE", "MSG.NEXT")]
+        foreign += [f"{API}.CONSUMER.CREATE.{stream}.{durable}.>", f"$JS.ACK.{stream}.{durable}.>"]
+    return (*DENY_PUBLISH, *foreign)
+
+
 def _event_type(cls: type) -> str:
     return str(cls.model_fields["type"].default)  # type: ignore[attr-defined]  # the pydantic event classes
 
@@ -169,7 +189,7 @@ def may_publish(user: str, subject: str) -> bool:
     """What the server decides for ``user`` publishing on ``subject`` (a reply under ``allow_responses`` aside)."""
     perms = permission_table()[user]
     return (any(may(p, subject) for p in perms.publish)
-            and not any(may(p, subject) for p in DENY_PUBLISH))
+            and not any(may(p, subject) for p in deny_publish(user)))
 
 
 def may_subscribe(user: str, subject: str) -> bool:
@@ -199,7 +219,7 @@ def render_authorization(passwords: Mapping[str, str] | None = None,
         secret = f'"{passwords[user]}"' if passwords is not None else f"${password_variable(user)}"
         lines += [f'    {{user: "{user}", password: {secret}, permissions: {{',
                   f"      publish: {{allow: {_list(perms.publish)},",
-                  f"                deny: {_list(DENY_PUBLISH)}}}",
+                  f"                deny: {_list(deny_publish(user))}}}",
                   f"      subscribe: {{allow: {_list(perms.subscribe)}, deny: {_list(DENY_SUBSCRIBE)}}}"]
         if perms.allow_responses:
             lines.append("      allow_responses: true")

@@ -19,6 +19,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
 from rollout_ledger.cli.stack.servers import ADMIN_USER, NatsTls, PrivateNats, free_port
@@ -33,6 +34,7 @@ from rollout_ledger.shared.subjects import (
     EVENTS_STREAM,
     POLICY_BUCKET,
     POLICY_KEY,
+    RECORDER_CONSUMER,
     WORK_MAX_DELIVERIES_ADVISORY,
     WORK_STREAM,
     WORK_SUBJECT,
@@ -138,6 +140,14 @@ async def test_env_worker_cannot_cancel_announce_or_forge_advisories(secured: Pr
         with pytest.raises(TimeoutError):
             await js.delete_stream(EVENTS_STREAM)
         assert await _messages(admin, EVENTS_STREAM) == 1
+        # nor re-filter the recorder's consumer (consumer create is create-or-update) or pull from it
+        await bus.ensure_consumer(admin.jetstream(), bus.recorder_consumer_spec(30.0, 100))
+        with pytest.raises(TimeoutError):
+            await js.add_consumer(EVENTS_STREAM, js_api.ConsumerConfig(
+                name=RECORDER_CONSUMER, durable_name=RECORDER_CONSUMER, ack_policy=js_api.AckPolicy.EXPLICIT,
+                filter_subject=event_subject("turn.generated")))
+        info = await admin.jetstream().consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
+        assert info.config.filter_subject == event_subject(">") and info.num_pending == 1
     finally:
         await worker.close()
 

@@ -127,6 +127,24 @@ def test_every_bucket_has_its_writers_only() -> None:
             assert may_publish(user, f"{API}.CONSUMER.CREATE.KV_{bucket}.watcher.$KV.{bucket}.>")
 
 
+@pytest.mark.parametrize("template", ["{api}.CONSUMER.CREATE.{s}.{d}",
+                                      "{api}.CONSUMER.CREATE.{s}.{d}.rl.events.turn.generated",
+                                      "{api}.CONSUMER.DURABLE.CREATE.{s}.{d}", "{api}.CONSUMER.DELETE.{s}.{d}",
+                                      "{api}.CONSUMER.MSG.NEXT.{s}.{d}", "$JS.ACK.{s}.{d}.1.2.3.4.5"])
+def test_only_its_owner_touches_a_durable_consumer(template: str) -> None:
+    """Even a wildcard grant (a short-lived consumer of any name) cannot re-filter, pull from or ack another
+    service's durable consumer: create is create-or-update."""
+    owners = {(subjects.WORK_STREAM, subjects.WORK_CONSUMER): ENV_WORKER,
+              (subjects.EVENTS_STREAM, subjects.RECORDER_CONSUMER): RECORDER,
+              (subjects.ADVISORY_STREAM, subjects.ADVISORY_CONSUMER): RECORDER,
+              (subjects.DEAD_LETTER_STREAM, subjects.DEAD_LETTER_CONSUMER): RECORDER}
+    for (stream, durable), owner in owners.items():
+        subject = template.format(api=API, s=stream, d=durable)
+        assert publishers(subject) <= {owner}, subject
+    # the recorder may still read the work consumer's state (to check an advisory against it)
+    assert may_publish(RECORDER, f"{API}.CONSUMER.INFO.{subjects.WORK_STREAM}.{subjects.WORK_CONSUMER}")
+
+
 def test_the_recorder_removes_only_work_items() -> None:
     assert publishers(f"{API}.STREAM.MSG.DELETE.{subjects.WORK_STREAM}") == {RECORDER}
     for stream in (subjects.EVENTS_STREAM, subjects.ADVISORY_STREAM, subjects.DEAD_LETTER_STREAM):
