@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,7 +24,14 @@ from cryptography.x509.oid import NameOID
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
-from rollout_ledger.cli.stack.servers import ADMIN_USER, NatsTls, PrivateNats, free_port
+from rollout_ledger.cli.stack.servers import (
+    ADMIN_USER,
+    NatsTls,
+    PrivateNats,
+    find_nats_server,
+    free_port,
+    wait_port,
+)
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.shared import nats_auth
 from rollout_ledger.shared.errors import BusError
@@ -297,3 +306,46 @@ async def test_tls_with_a_verified_server_only(tls_nats: tuple[PrivateNats, Path
     with pytest.raises(BusError):
         await bus.connect(server.url.replace("tls://", "nats://"), name="plain", initial_wait_s=2,
                           security=NatsSecurity(user="scheduler", password=password))
+
+
+
+@pytest.fixture
+def k8s_nats() -> Iterator[tuple[int, str]]:
+    """What the manifests run: deploy/k8s/base/nats-auth.conf (passwords from the environment) and the TLS flags of
+    components/nats-tls, on a real nats-server; its port and the CA file."""
+    root = _private_dir("rollout-ledger-nats-k8s-")
+    ca, ca_key = _ca("k8s test CA")
+    cert, key = _server_cert(ca, ca_key)
+    shutil.copy(Path(__file__).resolve().parents[2] / "deploy/k8s/base/nats-auth.conf", root / "nats-auth.conf")
+    port = free_port()
+    (root / "nats.conf").write_text(f'listen: 127.0.0.1:{port}\njetstream {{ store_dir: "{root / "js"}" }}\n'
+                                    "include ./nats-auth.conf\n")
+    env = {nats_auth.password_variable(u): f"pw-{u}" for u in nats_auth.USERS}
+    proc = subprocess.Popen([find_nats_server(), "-c", str(root / "nats.conf"), "--tls",
+                             f"--tlscert={_write_pem(root / 'tls.crt', cert)}",
+                             f"--tlskey={_write_pem(root / 'tls.key', key)}"],
+                            env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, 20, proc, "nats-server")
+        yield port, str(_write_pem(root / "ca.crt", ca))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_k8s_auth_conf_and_tls_flags_on_a_live_server(k8s_nats: tuple[int, str]) -> None:
+    """A service user connects with the CA and declares the topology; plain text and a wrong password are refused."""
+    port, ca_file = k8s_nats
+    nc = await bus.connect(f"tls://127.0.0.1:{port}", name="k8s-recorder", initial_wait_s=5,
+                           security=NatsSecurity(user="recorder", password="pw-recorder", tls_ca=ca_file))
+    try:
+        await bus.ensure_topology(nc.jetstream())
+    finally:
+        await nc.close()
+    with pytest.raises(BusError):
+        await bus.connect(f"nats://127.0.0.1:{port}", name="k8s-plain", initial_wait_s=2,
+                          security=NatsSecurity(user="recorder", password="pw-recorder"))
+    with pytest.raises(BusError, match="refused the login"):
+        await bus.connect(f"tls://127.0.0.1:{port}", name="k8s-wrong", initial_wait_s=5,
+                          security=NatsSecurity(user="recorder", password="pw-scheduler", tls_ca=ca_file))
