@@ -14,7 +14,7 @@ and a Postgres stop for ``--pg-down-s``. Then it waits for every episode to be t
 
 Exit status 1 when anything is lost or duplicated. Usage:
 
-    python -m bench.chaos                    # make chaos: >= 1,000 episodes, each kill twice, Postgres down 30 s
+    python -m bench.chaos                    # make chaos: 2,000 episodes, each kill twice, Postgres down 30 s
     python -m bench.chaos --episodes 150 --kills 1 --pg-down-s 3   # the CI size (tests/integration/test_chaos.py)
 """
 
@@ -60,7 +60,7 @@ def _metric(url: str, name: str) -> float:
 class ChaosConfig:
     """The size of a run and its faults."""
 
-    episodes: int = 1200
+    episodes: int = 2000
     turns: int = 4
     kills: int = 2
     """Rounds of SIGKILL: each kills one process of every kind in ``KILL_ORDER``."""

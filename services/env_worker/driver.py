@@ -115,7 +115,7 @@ class EpisodeDriver:
         self.reward = 0.0
         self.transcript: Transcript | None = None
         self.last_worker: str | None = None
-        self._pending_acks: list[asyncio.Future[Any]] = []
+        self._pending_acks: list[tuple[asyncio.Future[Any], StepCompleted]] = []
 
     # --- ids ----------------------------------------------------------------------------------------
     def _common(self, event_id: str, seq: int) -> dict[str, Any]:
@@ -257,7 +257,8 @@ class EpisodeDriver:
                                prompt_text=transcript.prompt_text, messages=_jsonable_list(messages))
         await self._publish(event)
 
-    async def _publish(self, event: EpisodeStarted | EpisodeFinished | EpisodeFailed | EpisodeCancelled) -> None:
+    async def _publish(self, event: EpisodeStarted | EpisodeFinished | EpisodeFailed | EpisodeCancelled
+                       | StepCompleted) -> None:
         """Publish and await the stream's ack (``BusError`` otherwise)."""
         if self.deps.publisher is not None:
             await self.deps.publisher.publish(event.type, event.event_id, encode(event))
@@ -274,20 +275,28 @@ class EpisodeDriver:
                                                        headers=msg_id_headers(event.event_id))
             except Exception as exc:
                 raise BusError(f"publish of step.completed failed: {exc}") from exc
-        self._pending_acks.append(fut)
+        self._pending_acks.append((fut, event))
 
     async def _flush(self) -> None:
-        """Await every step ack before the terminal event (a lost step would leave a hole in the trajectory)."""
+        """Await every step ack before the terminal event (a lost step would leave a hole in the trajectory). A step
+        whose ack did not come (its publish was in flight when NATS went down) is published once more, awaited:
+        the same ``Nats-Msg-Id``, so the stream stores it at most once; only if that fails too is the attempt lost."""
         if not self._pending_acks:
             return
         pending, self._pending_acks = self._pending_acks, []
         try:
             async with asyncio.timeout(self.deps.publish_timeout_s):
-                await asyncio.gather(*pending)
-        except Exception as exc:
-            for fut in pending:
-                fut.cancel()
-            raise BusError(f"step events not acknowledged by the stream: {exc!r}") from exc
+                await asyncio.gather(*(fut for fut, _ in pending), return_exceptions=True)
+        except TimeoutError:
+            pass
+        unacked = [event for fut, event in pending if not fut.done() or fut.cancelled() or fut.exception()]
+        for fut, _ in pending:
+            fut.cancel()
+        for event in unacked:
+            try:
+                await self._publish(event)
+            except Exception as exc:
+                raise BusError(f"step events not acknowledged by the stream: {exc!r}") from exc
 
     async def _terminal(self, event: EpisodeFinished | EpisodeFailed | EpisodeCancelled, status: str) -> AttemptOutcome:
         if self._deadline is not None and not self._deadline.expired():

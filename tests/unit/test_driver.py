@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ from rollout_ledger.shared.events import (
     FinishReason,
     InferenceRequested,
     SamplingParams,
+    StepCompleted,
     TurnGenerated,
     decode,
     decode_as,
@@ -30,7 +32,7 @@ from rollout_ledger.shared.events import (
 )
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
-from rollout_ledger.shared.subjects import EVENTS_STREAM, INFER_ANY, INFER_QUEUE
+from rollout_ledger.shared.subjects import EVENTS_STREAM, INFER_ANY, INFER_QUEUE, event_subject
 
 ANSWERS = ["Hello there.", "A longer answer that will be cut", "Fine."]
 
@@ -157,3 +159,26 @@ async def test_non_finite_reward_fails_the_attempt_as_env(nc: bus.NATS, served: 
     assert reason in failed.reason and failed.num_turns == len(kept)
     assert [e.reward for e in events if e.type == "step.completed"] == kept
     assert not any(e.type == "episode.finished" for e in events)
+
+
+async def test_a_step_whose_ack_was_lost_is_published_again_not_the_attempt(nc: bus.NATS,
+                                                                             served: ChatTokenizer) -> None:
+    """A step published as NATS went down never gets its ack: before the terminal event it is published once more
+    (same Nats-Msg-Id) instead of handing the whole attempt back to be generated again."""
+    client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5, heartbeat_timeout_s=5))
+    deps = DriverDeps(js=nc.jetstream(), client=client, envs=builtin_registry(), template=TurnTemplate(served),
+                      is_cancelled=lambda _b: False, metrics=build_metrics(), worker_id="w0", publish_timeout_s=0.3)
+    item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
+                            produced_by="test", env="fixed-turns", task={"turns": 1}, group_id="b.0", group_index=0,
+                            group_size=1, sampling=SamplingParams(max_tokens=16), max_turns=1)
+    driver = EpisodeDriver(deps, item, attempt=1)
+    step = StepCompleted(event_id="b.0.0:a1:s0", episode_id="b.0.0", batch_id="b", attempt=1, seq=2,
+                         produced_by="test", turn_index=0, turn_event_id="b.0.0:a1:t0:r1", action="a",
+                         observation="o", observation_token_ids=np.zeros(0, dtype=np.int32), reward=0.0,
+                         terminated=True, truncated=False)
+    lost: asyncio.Future[Any] = asyncio.get_running_loop().create_future()  # the ack that never comes
+    driver._pending_acks.append((lost, step))
+    await driver._flush()
+    js = nc.jetstream()
+    stored = await js.get_msg(EVENTS_STREAM, subject=event_subject("step.completed"))
+    assert decode(stored.data or b"").event_id == "b.0.0:a1:s0"
