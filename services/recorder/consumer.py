@@ -61,6 +61,9 @@ DEAD_LETTER_STREAM_SOURCE = "dead-letter-stream"
 
 _T = TypeVar("_T")
 
+_MAX_DELIVERIES = 1_000_000
+"""An advisory counting more deliveries than this is not NATS's (``max_deliver`` is a handful)."""
+
 
 def to_delivery(msg: Msg) -> Delivery:
     """Decode a fetched message; a payload that is not a valid event becomes a delivery with ``error`` set."""
@@ -295,8 +298,8 @@ class AdvisoryConsumer:
                                     f"{msg.subject}; only {WORK_STREAM}/{WORK_CONSUMER} max-deliveries advisories "
                                     "are acted on")
             return
-        if seq < 1:
-            await self._refuse(msg, f"untrusted advisory: stream_seq {seq} is not a stream sequence")
+        if not 1 <= seq < 2**63 or not 0 <= deliveries <= _MAX_DELIVERIES:
+            await self._refuse(msg, f"untrusted advisory: stream_seq {seq} or deliveries {deliveries} out of range")
             return
         stream = WORK_STREAM  # never the body's: only the work queue's items are ever deleted
 

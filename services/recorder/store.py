@@ -262,6 +262,14 @@ _FINISH_EPISODES = (
 )
 
 
+def _pg_text(value: str) -> str:
+    """``value`` as Postgres text and jsonb take it: NUL and lone surrogates (hostile subjects, headers, or reasons
+    quoting them) escaped as ``\\x00`` / ``\\udc80``, so a dead letter can always be stored."""
+    if "\x00" in value:
+        value = value.replace("\x00", "\\x00")
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _int4_literal(values: Sequence[int] | None) -> str | None:
     """``int4[]`` text literal of a short list (``None`` stays NULL)."""
     return None if values is None else "{" + ",".join(str(int(v)) for v in values) + "}"
@@ -285,8 +293,9 @@ class Tx:
             await cur.executemany(
                 "INSERT INTO dead_letters (source, subject, stream_seq, reason, payload, headers) "
                 "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (source, stream_seq) DO NOTHING",
-                [(d.source, d.subject, d.stream_seq, d.reason, d.payload,
-                  Jsonb(d.headers) if d.headers is not None else None) for d in letters],
+                [(d.source, _pg_text(d.subject), d.stream_seq, _pg_text(d.reason), d.payload,
+                  Jsonb({_pg_text(str(k)): _pg_text(str(v)) for k, v in d.headers.items()})
+                  if d.headers is not None else None) for d in letters],
             )
 
     async def add_attempt_failures(self, rows: Sequence[AttemptFailure]) -> None:

@@ -134,6 +134,8 @@ async def test_forged_advisories_delete_nothing(nc: bus.NATS, nats_url: str, dat
         {"stream": WORK_STREAM, "consumer": "env-workers", "stream_seq": 7, "deliveries": 5},
         {"stream": WORK_STREAM, "consumer": "other", "stream_seq": 1, "deliveries": 5},
         [1, 2],
+        {"stream": WORK_STREAM, "consumer": "env-workers", "stream_seq": 2**64 - 1, "deliveries": 5},
+        {"stream": WORK_STREAM, "consumer": "env-workers", "stream_seq": 1, "deliveries": 2**62},
     ]
     for body in forged:
         await js.publish(WORK_MAX_DELIVERIES_ADVISORY, orjson.dumps(body))
@@ -150,6 +152,7 @@ async def test_forged_advisories_delete_nothing(nc: bus.NATS, nats_url: str, dat
     assert reasons[1] == "untrusted advisory: work item #1 was never delivered (the work consumer delivered up to #0)"
     assert "never delivered" in reasons[2] and "consumer 'other'" in reasons[3]
     assert reasons[4].startswith("unreadable advisory")
+    assert all(r.endswith("out of range") for r in reasons[5:])
 
 
 async def test_rejected_work_items_become_dead_letters(nc: bus.NATS, nats_url: str, database_url: str,
@@ -188,3 +191,19 @@ def test_postgres_refuses_orphan_rows_and_non_finite_rewards(sql: Sql) -> None:
     with sql.engine.begin() as conn:
         conn.execute(text("UPDATE episodes SET reward = 0.5 WHERE id = :e"), {"e": ep})  # a finite reward is fine
     assert snapshot(sql)["turns"] == [] and sql.scalar("SELECT reward FROM episodes") == 0.5
+
+
+async def test_nul_in_headers_or_reasons_is_stored_escaped(nc: bus.NATS, nats_url: str, database_url: str,
+                                                           sql: Sql) -> None:
+    """Postgres text and jsonb refuse NUL: a hostile header must not make a dead letter unstorable (it would be
+    redelivered for ever, and a batch holding it would never commit)."""
+    js = nc.jetstream()
+    await js.publish(event_subject("turn.generated"), b"\x00garbage", headers={"X-Evil": "a\x00b"})
+    await js.publish(WORK_DEAD_LETTER_SUBJECT, b"x", headers={DEAD_SUBJECT_HEADER: "rl.work\x00", DEAD_SEQ_HEADER: "1",
+                                                               DEAD_REASON_HEADER: "why\x00not"})
+    async with recorder(settings_for(nats_url, database_url)):
+        await until(lambda: sql.scalar("SELECT count(*) FROM dead_letters") == 2, 20, "both stored")
+        await until(lambda: drained(nc), 10, "drained")
+    event, rejected = letters(sql)
+    assert event["headers"] == {"X-Evil": "a\\x00b"} and bytes(event["payload"]) == b"\x00garbage"
+    assert (rejected["subject"], rejected["reason"]) == ("rl.work\\x00", "why\\x00not")
