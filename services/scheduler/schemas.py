@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from rollout_ledger.shared.events import ContextPolicy, SamplingParams
 from rollout_ledger.shared.policy import SwapMode, WorkerPolicyState
@@ -33,9 +34,12 @@ class NoCoercion(BaseModel):
     @classmethod
     def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         field = cls.model_fields.get(info.field_name or "")
-        if field is not None and _is_number(field.annotation) and isinstance(value, bool | str):
-            raise ValueError(f"Input should be a number, not a {'boolean' if isinstance(value, bool) else 'string'}")
-        return value
+        if field is None or not _is_number(field.annotation) or not isinstance(value, bool | str):
+            return value
+        integer = int in (get_args(field.annotation) or (field.annotation,))
+        raise PydanticCustomError(
+            "int_type" if integer else "float_type", "Input should be a valid {kind}, not a {given}",
+            {"kind": "integer" if integer else "number", "given": "boolean" if isinstance(value, bool) else "string"})
 
 
 class SamplingRequest(NoCoercion, SamplingParams):
