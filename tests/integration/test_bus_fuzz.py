@@ -213,6 +213,11 @@ async def publish_all(js: Any, rng: random.Random, done_episode: str, done_batch
 
     for subject, what, payload in hostile_events(rng, done_episode, done_batch):
         await put(subject, what, payload)
+    # NUL, which Postgres text and jsonb refuse: in a header, and in the ids of a well-formed event
+    ack = await js.publish(event_subject("step.completed"), b"x", headers={"X-Evil": "a\x00b"}, timeout=10)
+    sent.append(Sent(ack.stream, int(ack.seq), event_subject("step.completed"), b"x", "NUL in a header"))
+    nul = valid_events(LIVE_EPISODE, LIVE_BATCH)[0].model_copy(update={"episode_id": "a\x00b", "event_id": "\x00"})
+    await put(event_subject("episode.started"), "NUL in the ids", encode(nul))
     for what, payload in garbage(rng):
         await put(WORK_SUBJECT, what, payload)
     for ev in valid_events(LIVE_EPISODE, LIVE_BATCH):  # valid events are not work items
