@@ -110,6 +110,8 @@ class EpisodeLeases:
             held, revision = await self.holder(episode_id)
             if revision == 0:  # released or expired between the two calls: try again
                 continue
+            if held == lease:  # ours already (an earlier call took it and its caller did not get to use it)
+                return Claim(True, revision, lease)
             if held is not None and held.worker == self.worker and held.run != self.run:
                 try:
                     return Claim(True, await self.kv.update(key, lease.encode(), last=revision), lease)

@@ -27,6 +27,8 @@ async def test_one_holder_per_episode(nc: bus.NATS) -> None:
     assert claim.taken
     held = await b.acquire(EP, b.mine(seq=7, attempt=2))
     assert not held.taken and held.holder == mine  # b must not run it
+    again = await a.acquire(EP, mine)  # asked again by the same holder (a failed step after taking it): still its
+    assert again.taken and again.revision == claim.revision
     revision = await a.refresh(EP, mine, claim.revision)
     assert revision > claim.revision
     await a.release(EP, revision)
