@@ -2,7 +2,7 @@
 
 ``python -m bench.rest_fuzz [--max-examples N] [--seed S]`` prints one JSON line: cases generated, passed,
 failures, the phases and the time. The CI test (tests/integration/test_rest_schemathesis.py) runs ``run`` with
-fewer examples and without the stateful phase.
+10 examples per operation.
 
 The scheduler gets a write token (schemathesis sends it) and a read token; envs ``arithmetic`` (the schema's
 example) and ``echo`` are registered in ``rl_envs`` so that valid requests reach the database and the work queue.
