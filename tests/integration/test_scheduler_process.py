@@ -54,6 +54,14 @@ async def test_scheduler_process_refuses_an_old_schema(stack: Stack, database_ur
     assert "rollout db upgrade" in proc.log_path.read_text()
 
 
+async def test_scheduler_process_refuses_to_start_without_a_token(stack: Stack) -> None:
+    proc = stack.start("scheduler", wait=False, ROLLOUT_API_TOKEN="")
+    assert proc.proc is not None
+    assert await asyncio.to_thread(proc.proc.wait, 30) == 2
+    log = proc.log_path.read_text()
+    assert "scheduler.bad_settings" in log and "ROLLOUT_API_TOKEN is not set" in log
+
+
 async def test_sigterm_finishes_the_request_in_flight(stack: Stack, nc: bus.NATS, database_url: str) -> None:
     js = nc.jetstream()
     kv = await js.key_value(ENVS_BUCKET)
