@@ -40,7 +40,7 @@ from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
 from rollout_ledger.services.exporter.audit import load_model, recompute
 from tests.e2e.conftest import E2E_DTYPE, ENGINE_START_TIMEOUT_S, require_vllm
 from tests.e2e.test_live_weights_vllm import perturbed
-from tests.helpers import AUTH, Sql, metric, wait_for
+from tests.helpers import API_TOKEN, AUTH, Sql, metric, wait_for
 from tests.integration.test_pipeline import check_token_exact
 
 pytestmark = pytest.mark.e2e
@@ -156,7 +156,8 @@ def run(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ru
     root = tmp_path_factory.mktemp("swap-modes")
     with LocalInfra(nats_url="", database_url="") as infra:
         upgrade(infra.database_url)
-        with Stack(infra.nats_url, infra.database_url, root / "logs", env={"ROLLOUT_MODEL": model_dir}) as stack:
+        with Stack(infra.nats_url, infra.database_url, root / "logs", env={"ROLLOUT_MODEL": model_dir},
+                   api_token=API_TOKEN) as stack:
             # 4 episodes at a time; patient with an inference worker that is down (restarting after a kill): a
             # turn is tried again for ~6 minutes
             stack.start("env-worker", ROLLOUT_MAX_MODEL_LEN=str(MAX_MODEL_LEN), ROLLOUT_CONCURRENCY="4",

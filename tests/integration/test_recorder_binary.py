@@ -43,8 +43,15 @@ def _step(i: int, obs: list[int]) -> StepCompleted:
 
 
 async def _connect(database_url: str) -> psycopg.AsyncConnection[Any]:
+    """A connection with the recorder's adapters, on a database holding the episode ``b.0.0`` (turns and steps
+    reference their episode, migration 0011: the scheduler stores it before any event)."""
     conn = await psycopg.AsyncConnection.connect(_conninfo(database_url))
     adapters.register(conn)
+    await conn.execute("INSERT INTO batches (id, env, group_size, max_turns, sampling, num_tasks, num_episodes, "
+                       "request_hash) VALUES ('b', 'echo', 1, 4, '{}'::jsonb, 1, 1, 'x') ON CONFLICT DO NOTHING")
+    await conn.execute("INSERT INTO episodes (id, batch_id, group_id, group_index, task_index, env, task) "
+                       "VALUES ('b.0.0', 'b', 'b.0', 0, 0, 'echo', '{}'::jsonb) ON CONFLICT DO NOTHING")
+    await conn.commit()
     return conn
 
 

@@ -78,8 +78,9 @@ def test_previous_release_workers_beside_current_ones_lose_nothing(stack: Stack,
                           PYTHONPATH=old, ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="0.01")
     old_env = stack.start("env-worker", name="env-old", command=previous("env-worker"), PYTHONPATH=old,
                           ROLLOUT_CONCURRENCY="4", ROLLOUT_FETCH_BATCH="1")
+    # the previous release predates the per-service logins (migration 0012): its pods keep the DSN they ran with
     stack.start("recorder", name="recorder-old", command=previous("recorder"), PYTHONPATH=old,
-                ROLLOUT_BATCH_SIZE="16")
+                ROLLOUT_BATCH_SIZE="16", DATABASE_URL=database_url)
     upgrade(database_url)  # the migrations Job of this release
     new_inf = stack.start("inference-worker", name="inference-new", ROLLOUT_ENGINE="fake",
                           ROLLOUT_FAKE_DELAY_S="0.01")
