@@ -339,7 +339,7 @@ def test_admission_holds_a_bounded_batch_until_the_worker_serves_the_pushed_vers
     """Staleness bounded at admission on the real pipeline: a batch with max_staleness 0 submitted right after a
     push waits (no work item) while the worker still serves the old version, and starts once it serves the new
     one: every turn of it on the new version."""
-    current = httpx.get(f"{run.url}/v1/policy", timeout=10).json()["current"]
+    current = httpx.get(f"{run.url}/v1/policy", headers=AUTH, timeout=10).json()["current"]
     version = int(current["version"]) + 1 if current else 1
     ckpt = run.checkpoint(version, 1.3)
     running = run.submit([{"turns": 4}] * 2, max_turns=4)  # unbounded: its running episodes hold the drain
@@ -348,7 +348,7 @@ def test_admission_holds_a_bounded_batch_until_the_worker_serves_the_pushed_vers
     created = run.submitted([{"turns": 1}] * 2, max_turns=1, max_staleness=0)
     bounded = str(created["batch_id"])
     assert (created["num_published"], created["num_waiting"]) == (0, 4), "held: the worker serves the old version"
-    shown = httpx.get(f"{run.url}/v1/batches/{bounded}", timeout=10).json()
+    shown = httpx.get(f"{run.url}/v1/batches/{bounded}", headers=AUTH, timeout=10).json()
     assert shown["counts"]["waiting"] == 4
     assert f"behind the announced {version}" in shown["admission"]["held"], shown["admission"]
     assert run.until_state(version, "serving")["serving"] == version
