@@ -213,6 +213,25 @@ class EventConsumer:
             log.warning("recorder.dead_letters", counts=dict(outcome.dead_letters))
 
 
+async def settle_with_retry(settings: RecorderSettings, shutdown: Shutdown, msgs: Msg | list[Msg],
+                            handle: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run ``handle`` for messages kept in progress meanwhile, retrying retryable store and bus errors with
+    backoff; a non-retryable one (or shutdown) leaves them unacked, redelivered after ``ack_wait``."""
+    backoff = Backoff(settings.retry_initial_s, settings.retry_max_s)
+    while True:
+        try:
+            async with bus.keep_in_progress(msgs, max(0.5, settings.ack_wait_s / 3)):
+                await handle()
+            return
+        except (StoreError, BusError) as exc:
+            if not exc.retryable or shutdown.requested:
+                log.error(f"recorder.{what}_failed", error=str(exc), retryable=exc.retryable)
+                return
+            delay = backoff.delay()
+            log.warning(f"recorder.{what}_retry", delay_s=delay, error=str(exc))
+            await sleep_or_shutdown(shutdown, delay)
+
+
 class AdvisoryConsumer:
     """Turns max-deliveries advisories of the work queue into dead letters and ``EpisodeFailed(infra)`` events.
 
@@ -240,19 +259,7 @@ class AdvisoryConsumer:
                 await self._with_retry(msg)
 
     async def _with_retry(self, msg: Msg) -> None:
-        backoff = Backoff(self.settings.retry_initial_s, self.settings.retry_max_s)
-        while True:
-            try:
-                async with bus.keep_in_progress(msg, max(0.5, self.settings.ack_wait_s / 3)):
-                    await self.handle(msg)
-                return
-            except (StoreError, BusError) as exc:
-                if not exc.retryable or self.shutdown.requested:
-                    log.error("recorder.advisory_failed", error=str(exc), retryable=exc.retryable)
-                    return  # not acked: redelivered after ack_wait
-                delay = backoff.delay()
-                log.warning("recorder.advisory_retry", delay_s=delay, error=str(exc))
-                await sleep_or_shutdown(self.shutdown, delay)
+        await settle_with_retry(self.settings, self.shutdown, msg, lambda: self.handle(msg), "advisory")
 
     async def _refuse(self, msg: Msg, reason: str) -> None:
         """Dead-letter an advisory that is unreadable or not to be trusted; nothing else happens."""
@@ -376,19 +383,7 @@ class DeadLetterConsumer:
                 await self._with_retry(msgs)
 
     async def _with_retry(self, msgs: list[Msg]) -> None:
-        backoff = Backoff(self.settings.retry_initial_s, self.settings.retry_max_s)
-        while True:
-            try:
-                async with bus.keep_in_progress(msgs, max(0.5, self.settings.ack_wait_s / 3)):
-                    await self.handle(msgs)
-                return
-            except StoreError as exc:
-                if not exc.retryable or self.shutdown.requested:
-                    log.error("recorder.dead_letter_store_failed", error=str(exc), retryable=exc.retryable)
-                    return  # not acked: redelivered after ack_wait
-                delay = backoff.delay()
-                log.warning("recorder.dead_letter_retry", delay_s=delay, error=str(exc))
-                await sleep_or_shutdown(self.shutdown, delay)
+        await settle_with_retry(self.settings, self.shutdown, msgs, lambda: self.handle(msgs), "dead_letter")
 
     async def handle(self, msgs: list[Msg]) -> None:
         letters = [dead_letter_of(m) for m in msgs]
