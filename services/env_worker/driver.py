@@ -34,7 +34,7 @@ from rollout_ledger.services.env_worker.inference_client import InferenceClient
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.tokenization import Transcript, TurnTemplate
-from rollout_ledger.services.envs.base import Env
+from rollout_ledger.services.envs.base import Env, EnvContext, EnvLLM
 from rollout_ledger.services.envs.registry import EnvRegistry, UnknownEnvError
 from rollout_ledger.shared.errors import BusError, EnvError, InferenceError, TokenizationError
 from rollout_ledger.shared.events import (
@@ -80,6 +80,8 @@ class DriverDeps:
     """Further attempts per failure class (``retries.py``); none by default."""
     episode_timeout_s: float = 0.0
     """Deadline of one attempt (reset and turns; not the terminal event's publication); 0: none."""
+    env_llm: EnvLLM | None = None
+    """The chat LLM handed to envs (``EnvContext.llm``): simulated users, judges."""
 
     @property
     def produced_by(self) -> str:
@@ -162,6 +164,8 @@ class EpisodeDriver:
     async def _attempt(self, env: Env) -> AttemptOutcome:
         """Reset, the started event and the turns (what the deadline covers)."""
         try:
+            env.bind(EnvContext(episode_id=self.ep, batch_id=self.item.batch_id, attempt=self.attempt,
+                                llm=self.deps.env_llm))
             messages = await env.reset(self.item.task)
             self.transcript = Transcript(self.deps.template.with_tools(env.tools()), messages)
         except Exception as exc:  # the env's code: any exception is an env failure

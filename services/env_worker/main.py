@@ -12,6 +12,7 @@ from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.env_worker.worker import EnvWorker
 from rollout_ledger.services.envs.builtins import builtin_registry
+from rollout_ledger.services.envs.library import library_specs
 from rollout_ledger.services.envs.registry import EnvRegistry
 from rollout_ledger.services.envs.remote import RemoteEnvs
 from rollout_ledger.shared.kit import bus
@@ -25,9 +26,10 @@ SERVICE = "env-worker"
 
 
 def build_envs(settings: EnvWorkerSettings, remote: RemoteEnvs | None = None) -> EnvRegistry:
-    """The built-ins and the remote envs (``remote:<name>``), restricted to ``settings.envs`` when it names some."""
+    """The built-ins, the remote envs (``remote:<name>``) and the library and user envs (envs/library.py),
+    restricted to ``settings.envs`` when it names some."""
     envs = builtin_registry()
-    for spec in remote.specs() if remote is not None else []:
+    for spec in [*(remote.specs() if remote is not None else []), *library_specs(settings)]:
         envs.register(spec)
     names = settings.env_names()
     return envs.only(names) if names else envs

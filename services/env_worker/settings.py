@@ -98,6 +98,16 @@ class EnvWorkerSettings(ConsumerSettings):
     """How often the worker puts its report into ``rl_policy_env`` besides every change (the entries expire after
     60 s; inference workers wait for the live ones to drain)."""
 
+    # --- tau2-bench envs (services/envs/tau2_bench.py) ---------------------------------------------------
+
+    # --- reasoning-gym and user env classes (services/envs/reasoning_gym.py, custom.py) ------------------
+
+    # --- OpenEnv servers (services/envs/openenv_remote.py) -----------------------------------------------
+
+    # --- agent process pool (services/env_worker/sessions/) ----------------------------------------------
+
+    # --- env-aware routing (services/env_worker/worker.py) -----------------------------------------------
+
     @field_validator("remote_envs")
     @classmethod
     def _check_remote_envs(cls, v: str) -> str:

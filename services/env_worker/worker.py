@@ -26,6 +26,7 @@ from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
+from rollout_ledger.services.envs.base import EnvLLM
 from rollout_ledger.services.envs.registry import EnvRegistry
 from rollout_ledger.shared.errors import BusError, NewerContractError, SchemaError
 from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
@@ -76,8 +77,11 @@ class EnvWorker:
     """Runs episodes from the work queue with at most ``settings.concurrency`` in flight."""
 
     def __init__(self, settings: EnvWorkerSettings, nc: NATS, envs: EnvRegistry, template: TurnTemplate,
-                 metrics: EnvWorkerMetrics, health: Health, agents: AgentRuntime | None = None) -> None:
+                 metrics: EnvWorkerMetrics, health: Health, agents: AgentRuntime | None = None,
+                 env_llm: EnvLLM | None = None) -> None:
         self.settings = settings
+        self.env_llm = env_llm
+        """The chat LLM handed to envs (a simulated user); None: envs get none."""
         self.agents = agents
         """Agent functions run as envs (their episodes talk to the policy through the session endpoint)."""
         self.nc = nc
@@ -121,7 +125,7 @@ class EnvWorker:
                           worker_id=self.settings.worker_id, max_model_len=self.settings.max_model_len,
                           publish_timeout_s=self.settings.publish_timeout_s, publisher=self.publisher,
                           budgets=RetryBudgets(self.settings.retry_budgets()),
-                          episode_timeout_s=self.settings.episode_timeout_s)
+                          episode_timeout_s=self.settings.episode_timeout_s, env_llm=self.env_llm)
 
     async def run(self, shutdown: Shutdown) -> None:
         """Set up, take work until ``shutdown``, then drain."""

@@ -1,12 +1,13 @@
-"""The in-process environment protocol: a single-use ``Env`` with ``reset`` and ``step``, its ``StepResult``, and
-the ``EnvSpec`` a registry holds."""
+"""The in-process environment protocol: a single-use ``Env`` with ``reset`` and ``step``, its ``StepResult``, the
+``EnvContext`` the worker binds before ``reset`` (ids and a chat LLM for simulated users), and the ``EnvSpec`` a
+registry holds."""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 Message = dict[str, Any]
 """A chat message: ``{"role": ..., "content": ...}`` (whatever the chat template accepts)."""
@@ -31,8 +32,35 @@ class StepResult:
     """Free-form JSON-serialisable details, stored with the step."""
 
 
+class EnvLLM(Protocol):
+    """A chat model served by the inference workers, for an environment's own use (a simulated user, a judge).
+
+    Its generations are not the policy's: they reach the trajectory only as the environment's observation text
+    (tokenized like any environment message, loss mask 0)."""
+
+    async def chat(self, messages: list[Message], *, pool: str = "", max_tokens: int = 256,
+                   temperature: float = 1.0, stop: list[str] | None = None) -> str:
+        """The assistant reply to ``messages`` (chat template of the pool's model), from the model pool ``pool``
+        (empty: the policy's own workers)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EnvContext:
+    """What the worker tells an episode's ``Env`` before ``reset`` (``Env.bind``)."""
+
+    episode_id: str
+    batch_id: str
+    attempt: int
+    llm: EnvLLM | None = None
+    """A chat LLM on the inference workers; None where the worker offers none (unit tests)."""
+
+
 class Env(abc.ABC):
-    """One episode of an environment. Single use: ``reset`` once, then ``step`` until done."""
+    """One episode of an environment. Single use: ``bind``, ``reset`` once, then ``step`` until done."""
+
+    def bind(self, context: EnvContext) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Called once before ``reset`` with the episode's ids and the worker's services."""
 
     @abc.abstractmethod
     async def reset(self, task: dict[str, Any]) -> list[Message]:
@@ -69,6 +97,14 @@ class EnvSpec:
     """Whether an episode can take more than one turn."""
     example_task: dict[str, Any] = field(default_factory=dict)
     """A valid task, shown to users."""
+    family: str = ""
+    """Set on the members of a parametrised family (``rg`` for ``rg:<dataset>``): a family is advertised and
+    routed as one (its members listed in its advert), not as one entry per member."""
+
+    @property
+    def route(self) -> str:
+        """What work is routed by: the family, or the env's own name."""
+        return self.family or self.name
 
     def advert(self, registered_by: str) -> dict[str, Any]:
         """The JSON value put into the ``rl_envs`` bucket under ``name``."""
