@@ -201,6 +201,10 @@ class InferenceRequested(_Event):
     """New tokens allowed for this turn (sampling.max_tokens bounded by the context left)."""
     reply_seq: int = Field(ge=0)
     """The ``seq`` the resulting turn event carries."""
+    record: bool = True
+    """Whether the turn is the policy's: published as ``TurnGenerated`` on RL_EVENTS before the reply. False for
+    an environment's own generation (a simulated user, env_worker/env_llm.py): only answered, never recorded; the
+    env hands its text to the episode as an observation."""
 
 
 class TurnGenerated(_Event):

@@ -150,6 +150,7 @@ def permission_table() -> dict[str, Permissions]:
                      f"{API}.CONSUMER.CREATE.{sj.EVENTS_STREAM}.*.{sj.event_subject('turn.generated')}",
                      sj.WORK_DEAD_LETTER_SUBJECT, *_events(ENV_WORKER),
                      sj.INFER_ANY, sj.infer_worker_subject("*"), sj.INFER_CANCEL,
+                     sj.infer_pool_subject("*"),  # an env's own generations addressed to a model pool (env_llm.py)
                      *_kv_write(sj.ENVS_BUCKET), *_kv_write(sj.POLICY_ENV_BUCKET), *_kv_write(sj.LEASE_BUCKET),
                      *_kv_read(sj.CANCEL_BUCKET), *_kv_read(sj.POLICY_BUCKET), *_kv_read(sj.POLICY_WORKERS_BUCKET)),
             subscribe=(f"{inbox_prefix(ENV_WORKER)}.>", sj.INFER_HEARTBEAT),
@@ -159,7 +160,7 @@ def permission_table() -> dict[str, Permissions]:
                      *_kv_write(sj.POLICY_WORKERS_BUCKET),
                      *_kv_read(sj.POLICY_BUCKET), *_kv_read(sj.POLICY_ENV_BUCKET)),
             subscribe=(f"{inbox_prefix(INFERENCE_WORKER)}.>", sj.INFER_ANY, sj.infer_worker_subject("*"),
-                       sj.INFER_CANCEL),
+                       sj.INFER_CANCEL, sj.infer_pool_subject("*")),
             allow_responses=True,
         ),
         RECORDER: Permissions(

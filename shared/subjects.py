@@ -78,6 +78,16 @@ def infer_worker_subject(worker_id: str) -> str:
     return f"rl.infer.worker.{worker_id}"
 
 
+POLICY_POOL = "policy"
+"""The model pool of the policy's inference workers (``ROLLOUT_POOL``'s default)."""
+
+
+def infer_pool_subject(pool: str) -> str:
+    """The subject that reaches any inference worker of the model pool ``pool`` (queue group ``INFER_QUEUE``):
+    requests addressed by pool name, e.g. an environment's simulated user served by another model."""
+    return f"rl.infer.pool.{pool}"
+
+
 # --- key-value buckets --------------------------------------------------------------------------
 ENVS_BUCKET = "rl_envs"
 """Env name -> description, written by env workers at start; read by the scheduler."""

@@ -43,7 +43,7 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
         await bus.ensure_topology(nc.jetstream(), settings.stream_replicas)
         await engine.start()
         identity = WorkerIdentity(settings.worker_id, settings.weight_version, settings.max_inflight,
-                                  settings.heartbeat_s)
+                                  settings.heartbeat_s, pool=settings.pool)
         weights = Weights(engine, settings.weight_version, settings.swap_drain_timeout_s,
                           on_swap=metrics.swap_seconds.observe)
         failed_load: list[BaseException] = []
@@ -63,7 +63,8 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
                                      on_timeout=metrics.episode_drain_timeouts.inc)
         follower = PolicyFollower(policy, weights, settings.worker_id, settings.policy_report_s,
                                   on_failed_load=_failed_load, episode_drain=episode_drain)
-        await follower.start()  # serves the announced version from the first turn on (loaded here if newer)
+        if identity.is_policy:  # a worker of another pool (a simulated user's model) never applies policy versions
+            await follower.start()  # serves the announced version from the first turn on (loaded here if newer)
         metrics.weight_version.set_function(lambda: weights.serving)
         server = InferenceServer(nc, engine, identity, metrics, weights)
         await server.start()

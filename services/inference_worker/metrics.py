@@ -32,6 +32,8 @@ class InferenceMetrics:
     swap_seconds: Histogram
     episode_drain_seconds: Histogram
     episode_drain_timeouts: Counter
+    unrecorded: Counter
+    """Requests answered without publishing their turn (``record=False`` or a non-policy pool)."""
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> InferenceMetrics:
@@ -65,4 +67,7 @@ class InferenceMetrics:
             episode_drain_timeouts=Counter(
                 "rollout_episode_drain_timeouts", "Drain swaps that stopped waiting for the env workers' episodes "
                 "(episode_drain_timeout_s) and drained turns only.", registry=reg),
+            unrecorded=Counter(
+                "rollout_inference_unrecorded", "Requests answered without recording a turn: an environment's own "
+                "generations (a simulated user) and every request of a non-policy pool.", registry=reg),
         )

@@ -18,6 +18,12 @@ load, weight version and whether it is draining. ``drain`` stops taking work, le
 within a deadline and aborts the rest (answered retryable, so the requester tries another worker). A requester
 that stops waiting (its episode's deadline passed) publishes the request id on ``INFER_CANCEL``; the worker
 running it aborts it in the engine, so no turn is generated or recorded for it.
+
+Model pools. A worker of the pool ``policy`` (the default) does all of the above and also answers requests
+addressed to its pool (``infer_pool_subject("policy")``). A worker of any other pool (a simulated user's model)
+subscribes only to ``infer_pool_subject(pool)`` (and ``INFER_CANCEL``): no heartbeat, so env workers never route
+the policy's turns to it, and policy-version drains never wait for it. A request with ``record=False`` (an env's
+own generation) is answered without publishing its turn; a non-policy pool records none.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ from rollout_ledger.shared.subjects import (
     INFER_CANCEL,
     INFER_HEARTBEAT,
     INFER_QUEUE,
+    POLICY_POOL,
     error_headers,
+    infer_pool_subject,
     infer_worker_subject,
 )
 
@@ -62,6 +70,13 @@ class WorkerIdentity:
     weight_version: int
     max_inflight: int
     heartbeat_s: float
+    pool: str = POLICY_POOL
+    """The model pool (``InferenceSettings.pool``): ``policy`` serves the policy's turns, any other only requests
+    addressed to that pool."""
+
+    @property
+    def is_policy(self) -> bool:
+        return self.pool == POLICY_POOL
 
     @property
     def subject(self) -> str:
@@ -103,12 +118,15 @@ class InferenceServer:
     async def start(self) -> None:
         """Subscribe to the worker's subject and the shared queue group, then announce the worker."""
         await self.publisher.start()
-        self._subs.append(await self.nc.subscribe(self.identity.subject, cb=self._on_request))
-        self._subs.append(await self.nc.subscribe(INFER_ANY, queue=INFER_QUEUE, cb=self._on_request))
+        pool_subject = infer_pool_subject(self.identity.pool)
+        self._subs.append(await self.nc.subscribe(pool_subject, queue=INFER_QUEUE, cb=self._on_request))
         self._subs.append(await self.nc.subscribe(INFER_CANCEL, cb=self._on_cancel))
-        await self.heartbeat()
-        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
-        log.info("inference.serving", subject=self.identity.subject, engine=self.engine.name,
+        if self.identity.is_policy:
+            self._subs.append(await self.nc.subscribe(self.identity.subject, cb=self._on_request))
+            self._subs.append(await self.nc.subscribe(INFER_ANY, queue=INFER_QUEUE, cb=self._on_request))
+            await self.heartbeat()
+            self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+        log.info("inference.serving", subject=self.identity.subject, pool=self.identity.pool, engine=self.engine.name,
                  max_inflight=self.identity.max_inflight)
 
     def heartbeat_payload(self) -> dict[str, Any]:
@@ -125,6 +143,8 @@ class InferenceServer:
         }
 
     async def heartbeat(self) -> None:
+        if not self.identity.is_policy:  # a worker of another pool is never routed policy turns by heartbeat
+            return
         with contextlib.suppress(Exception):  # a missed heartbeat is harmless; the next one follows
             await self.nc.publish(INFER_HEARTBEAT, dumps(self.heartbeat_payload()))
 
@@ -271,7 +291,10 @@ class InferenceServer:
         )
         data = encode(event)
         try:
-            await self.publisher.publish(event.type, event.event_id, data)
+            if request.record and self.identity.is_policy:
+                await self.publisher.publish(event.type, event.event_id, data)
+            else:
+                metrics.unrecorded.inc()  # an env's own generation (a simulated user): answered, not a policy turn
         except RolloutError as exc:
             metrics.outcome["bus_error"].inc()
             request_log(request).warning("inference.publish_failed", error=str(exc))

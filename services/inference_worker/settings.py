@@ -7,11 +7,17 @@ from typing import Literal
 from pydantic import Field
 
 from rollout_ledger.shared.kit.settings import BaseServiceSettings
+from rollout_ledger.shared.subjects import POLICY_POOL
 
 
 class InferenceSettings(BaseServiceSettings):
     """Settings of one inference worker process."""
 
+    pool: str = Field(POLICY_POOL, pattern=r"^[A-Za-z0-9_-]+$")
+    """Model pool this worker belongs to. ``policy`` (the default): it serves the policy's turns (its own subject,
+    ``rl.infer.any``, heartbeats, policy versions) and answers requests addressed to the pool ``policy``. Any other
+    name (e.g. ``user``, a simulated user's model): it answers only requests addressed to that pool
+    (``rl.infer.pool.<pool>``), records none of them, sends no heartbeats and never applies a policy version."""
     engine: Literal["fake", "vllm"] = "fake"
     """Engine serving the turns: ``fake`` (deterministic, for tests and benchmarks) or ``vllm``."""
     weight_version: int = Field(0, ge=0)
