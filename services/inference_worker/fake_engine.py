@@ -15,7 +15,10 @@ How it answers (all deterministic: the same prompt ids, sampling parameters and 
   "My guess is N." with N in the range, narrowed by the feedback visible in the tail.
 - Anything else gets one sentence from a small list.
 - The text is encoded with the real tokenizer; it is cut at ``max_tokens`` (finish ``length``), otherwise the
-  eos id is appended (finish ``stop``). A stop string in ``sampling.stop`` cuts the text before it (``stop``).
+  eos id is appended (finish ``stop``). A stop string in ``sampling.stop`` ends the turn as in vLLM: the ids run
+  up to and including the first id whose text completes a stop string (the one ending first), without the eos
+  id, so decoded they end with the stop string and maybe more text of that id (finish ``stop``; cutting the
+  text before it is the caller's business, as with vLLM).
 - Logprobs are a hash of id, position and prompt, in [-3, -0.001] (looked up in a 2,999-entry table).
 - ``cached_tokens`` models a prefix cache per session key (the worker passes the episode id): the longest
   common prefix of this prompt with the previous request's prompt + output of the same session, in whole
@@ -39,6 +42,7 @@ import json
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -122,6 +126,12 @@ class TailDecoder:
 
     def decode(self, ids: list[int]) -> str:
         return b"".join(map(self.table.__getitem__, ids)).decode("utf-8", errors="replace")
+
+
+def stop_end(text: str, stop: Sequence[str]) -> int | None:
+    """Where in ``text`` the stop string that ends first ends (None when none occurs)."""
+    ends = [at + len(s) for s in stop if s and (at := text.find(s)) >= 0]
+    return min(ends, default=None)
 
 
 def prompt_hash(tail_ids: np.ndarray, prompt_len: int, sampling: SamplingParams,
@@ -265,7 +275,7 @@ class FakeEngine:
         self.max_sessions = max_sessions
         self._tokenizer = tokenizer
         self._sessions: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._encoded: dict[tuple[str, bool], np.ndarray] = {}
+        self._encoded: dict[tuple[str, int], np.ndarray] = {}
         self._aborts: dict[str, asyncio.Event] = {}
         self.eos_id: int | None = None
         self._tail_decoder: TailDecoder | None = None
@@ -333,12 +343,8 @@ class FakeEngine:
         h = prompt_hash(tail, int(prompt.shape[0]), sampling, session_key)
         text = respond(self._decode_tail(tail), h)
         finish = FinishReason.STOP
-        add_eos = True
-        for stop in sampling.stop:
-            cut = text.find(stop) if stop else -1
-            if cut >= 0:
-                text, add_eos = text[:cut], False
-        ids = self._encode(text, add_eos and self.eos_id is not None)
+        end = stop_end(text, sampling.stop)
+        ids = self._encode(text, self.eos_id is not None) if end is None else self._encode_through(text, end)
         if ids.shape[0] > max_tokens:
             ids, finish = ids[:max_tokens], FinishReason.LENGTH
         return ids, finish, h
@@ -361,6 +367,25 @@ class FakeEngine:
             if add_eos and self.eos_id is not None:
                 ids = np.append(ids, np.int32(self.eos_id)).astype(np.int32)
             ids.setflags(write=False)
+            self._encoded[key] = ids
+        return ids
+
+    def _encode_through(self, text: str, end: int) -> np.ndarray:
+        """The shortest prefix of ``text``'s ids whose text reaches character ``end`` (where vLLM, detokenising
+        after every id, finds the stop string and stops), without the eos id."""
+        key = (text, -1 - end)  # apart from _encode's (text, bool) keys
+        ids = self._encoded.get(key)
+        if ids is None:
+            full = self._encode(text, False)
+            reached, n = 0, len(full)
+            for i, piece in enumerate(self.tokenizer.stream_texts(full)):
+                reached += len(piece)
+                if reached >= end:
+                    n = i + 1
+                    break
+            ids = full[:n]
+            if len(self._encoded) >= 4096:
+                self._encoded.clear()
             self._encoded[key] = ids
         return ids
 

@@ -115,10 +115,17 @@ async def test_length_finish(engine: FakeEngine, tok: ChatTokenizer) -> None:
 
 
 async def test_stop_string(engine: FakeEngine, tok: ChatTokenizer) -> None:
-    gen = await engine.generate("r", chat(tok, ("user", "What is 2 + 2?")), SamplingParams(stop=["answer"]), 64)
+    """As vLLM: the ids run through the one completing the stop string (the one ending first), without eos."""
+    prompt = chat(tok, ("user", "What is 2 + 2?"))
+    gen = await engine.generate("r", prompt, SamplingParams(stop=["answer"]), 64)
     assert gen.finish_reason == FinishReason.STOP
-    assert text_of(tok, gen) == "The "
+    assert text_of(tok, gen) == "The answer"
     assert tok.eos_token_id not in gen.token_ids.tolist()
+    assert "answer" not in tok.decode(gen.token_ids[:-1])
+    two = await engine.generate("r", prompt, SamplingParams(stop=["is", "ans"]), 64)
+    assert text_of(tok, two) == "The answer"  # "ans" ends first; its id carries "wer" after it
+    full = await engine.generate("r", prompt, SamplingParams(), 64)
+    assert np.array_equal(two.token_ids, full.token_ids[:len(two.token_ids)])
 
 
 async def test_logprobs_in_range(engine: FakeEngine, tok: ChatTokenizer) -> None:

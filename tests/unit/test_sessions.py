@@ -71,7 +71,7 @@ CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool
 ])
 def test_bad_requests_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as err:
-        parse_request(body)
+        parse_request({"model": "policy", **body})
     assert err.value.status == 400
     assert err.value.param is not None and err.value.param.startswith(param)
     assert err.value.body()["error"]["type"] == "invalid_request_error"
@@ -89,18 +89,18 @@ STRICT_ADD: Any = {"type": "function", "function": {
     pytest.param({  # OpenAIChatCompletionsModel with ModelSettings(...) (Runner.run_streamed)
         "model": "policy", "stream": True, "stream_options": {"include_usage": True},
         "messages": [{"content": "Use the tool.", "role": "system"}, {"role": "user", "content": "2+3?"}],
-        "tools": [STRICT_ADD], "tool_choice": {"type": "function", "function": {"name": "add_numbers"}},
+        "tools": [STRICT_ADD], "tool_choice": "auto",
         "parallel_tool_calls": False, "store": False, "metadata": {"suite": "agents"}, "logprobs": True,
         "top_logprobs": 1, "max_tokens": 48, "temperature": 0.3, "verbosity": "low", "reasoning_effort": "low",
         "prompt_cache_retention": "in_memory"}, id="openai-agents"),
-    pytest.param({  # ChatOpenAI(stream_usage=True).bind_tools([add], tool_choice="any", strict=True).astream
+    pytest.param({  # ChatOpenAI(stream_usage=True).bind_tools([add], tool_choice="auto", strict=True).astream
         "model": "policy", "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
-        "max_completion_tokens": 48, "temperature": 0.7, "tool_choice": "required", "parallel_tool_calls": False,
+        "max_completion_tokens": 48, "temperature": 0.7, "tool_choice": "auto", "parallel_tool_calls": False,
         "messages": [{"content": "sys", "role": "system"}, {"content": "hi", "role": "user", "name": "ann"}],
         "tools": [STRICT_ADD]}, id="langchain"),
-    pytest.param({  # OpenAI's allowed_tools choice, and nulls where OpenAI takes null for "unset"
-        "messages": [{"role": "user", "content": "hi"}], "tools": [STRICT_ADD], "stream": None, "n": None,
-        "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+    pytest.param({  # OpenAI's allowed_tools choice (every tool, auto), and nulls where OpenAI takes null for "unset"
+        "model": "policy", "messages": [{"role": "user", "content": "hi"}], "tools": [STRICT_ADD], "stream": None,
+        "n": None, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
             {"type": "function", "function": {"name": "add_numbers"}}]}},
         "stream_options": {"include_usage": None}, "logit_bias": {}, "seed": None, "user": "u",
         "prompt_cache_key": "k", "safety_identifier": "s", "service_tier": "auto", "modalities": ["text"],
@@ -526,9 +526,14 @@ async def test_an_openai_agents_sdk_streamed_run(live: Callable[[dict[str, list[
     add_call = CALL_TEXT.replace('"add"', '"add_numbers"')
     served = live({"s": [f"Adding. {add_call}", "It is 5 🎲."]})
     client = served.client("s")
-    agent = Agent(name="adder", instructions="Add.", tools=[add_numbers],
-                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=True, include_usage=True))
+    model = OpenAIChatCompletionsModel(model="policy", openai_client=client)
+    forced = Agent(name="adder", instructions="Add.", tools=[add_numbers], model=model,
+                   model_settings=ModelSettings(tool_choice="required", include_usage=True))
+    with pytest.raises(openai.BadRequestError) as err:  # not enforceable: refused before any turn
+        await Runner.run(forced, "2 + 3?", max_turns=3, run_config=RunConfig(tracing_disabled=True))
+    assert err.value.code == "tool_choice_not_enforced" and served.episodes["s"].requests == []
+    agent = Agent(name="adder", instructions="Add.", tools=[add_numbers], model=model,
+                  model_settings=ModelSettings(tool_choice="auto", parallel_tool_calls=True, include_usage=True))
     result = Runner.run_streamed(agent, "2 + 3?", max_turns=3, run_config=RunConfig(tracing_disabled=True))
     deltas = [e async for e in result.stream_events() if e.type == "raw_response_event"]
     await client.close()
@@ -541,7 +546,7 @@ async def test_an_openai_agents_sdk_streamed_run(live: Callable[[dict[str, list[
     await session.finish(1.0)
     assert session.transcript is not None
     _check_contexts(served.episodes["s"], session.transcript, tok)
-    assert [s["drift"] for s in served.episodes["s"].steps] == [None, None]  # tool_choice reset: same tools
+    assert [s["drift"] for s in served.episodes["s"].steps] == [None, None]  # same tools: one segment
 
 
 async def test_the_responses_api_is_a_404_naming_the_chat_model(served: Served) -> None:

@@ -1,6 +1,8 @@
 """Model text and token ids <-> OpenAI chat-completion objects: tool calls, logprobs, responses and SSE chunks.
 
-Pure functions. A turn's text is cut into hermes ``<tool_call>{json}</tool_call>`` blocks by
+Pure functions. Stop strings follow OpenAI: a turn that stopped on one (``cut_at_stop``) answers the text before it,
+and nothing after it; the sampled ids stay as the engine returned them (see "Action text and ids" below). A turn's
+text is cut into hermes ``<tool_call>{json}</tool_call>`` blocks by
 ``envs.tools.scan_blocks`` and each block parsed by ``envs.tools.parse_block`` (the scanner and parser the
 built-in tool environments use); when every block parses, the turn becomes an assistant message with
 ``tool_calls`` (arguments as a JSON string, as OpenAI sends them) and the text outside the blocks as
@@ -10,6 +12,16 @@ as chunks (the engine returns a turn at once): a role chunk carrying ``prompt_to
 per sampled token with its logprobs and ``token_ids`` (the texts decoded incrementally by
 ``ChatTokenizer.stream_texts``), one chunk per tool call, a last chunk with ``finish_reason``, and with
 ``stream_options.include_usage`` a usage chunk without choices; then ``data: [DONE]``.
+
+Action text and ids. The engine returns the ids it sampled, which are recorded verbatim (never re-tokenised or
+trimmed). With a stop string, vLLM (and the fake engine, which imitates it) stops after the id whose text
+completes the stop string, without an end-of-turn id: decoded, those ids end with the stop string and sometimes
+more (a token such as ``".\n"`` for the stop string ``"."``). The turn's **action** (``StepCompleted.action``,
+the ``content`` and the parsed tool calls) is ``decode(ids, skip_special_tokens=True)`` cut before the stop string
+whose occurrence ends first (ties: the first listed), which is the string that stopped the engine; without a stop
+string in the text it is the whole decode. So ``action`` is a prefix of the decoded ids, never longer; the ids
+(``token_ids``, ``logprobs.content``, usage) cover every sampled id, stop string and end-of-turn id included, and
+the next turn's context continues from those ids, not from the action text.
 """
 
 from __future__ import annotations
@@ -40,8 +52,8 @@ class AssistantTurn:
     """``tool_calls``, ``stop`` or ``length``."""
 
     def message(self) -> Message:
-        """The response's ``choices[0].message``."""
-        out: Message = {"role": "assistant", "content": self.content}
+        """The response's ``choices[0].message`` (with OpenAI's ``refusal`` and ``annotations``: none here)."""
+        out: Message = {"role": "assistant", "content": self.content, "refusal": None, "annotations": []}
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
         return out
@@ -63,13 +75,37 @@ def split_tool_blocks(text: str) -> tuple[list[str], list[str]] | None:
     return [text[b.start:b.end] for b in blocks], outside
 
 
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` cut before the stop string that occurs in it and ends first (ties: the first listed), and whether
+    one occurred: the stop string that made the engine stop (vLLM's ``check_stop_strings`` picks the same one), so
+    the result is OpenAI's content, with neither the stop string nor anything after it."""
+    end = start = -1
+    for s in stop:
+        at = text.find(s) if s else -1
+        if at >= 0 and (end < 0 or at + len(s) < end):
+            start, end = at, at + len(s)
+    return (text, False) if end < 0 else (text[:start], True)
+
+
+def clip_texts(pieces: Sequence[str], length: int) -> list[str]:
+    """Stream pieces (one per id) clipped so they concatenate to the first ``length`` characters of their
+    concatenation (the ids after a stop string stream no text)."""
+    out, used = [], 0
+    for piece in pieces:
+        keep = piece[:max(0, length - used)]
+        used += len(keep)
+        out.append(keep)
+    return out
+
+
 def call_id(seed: str, index: int) -> str:
     """A deterministic tool-call id (the turn's event id and the call's position)."""
     return f"call_{hashlib.sha256(f'{seed}#{index}'.encode()).hexdigest()[:24]}"
 
 
 def assistant_turn(action: str, finish_reason: str, *, parse_tools: bool, id_seed: str) -> AssistantTurn:
-    """The OpenAI view of a sampled turn whose text (special tokens skipped) is ``action``.
+    """The OpenAI view of a sampled turn whose action text is ``action`` (the decoded ids, special tokens skipped,
+    already cut at a stop string: ``cut_at_stop``).
 
     ``finish_reason`` is the engine's (``stop``/``length``/``abort``: abort is reported as ``stop``).
     """

@@ -5,10 +5,15 @@ Requests are validated here and nowhere else. Fields the SDKs send that change n
 ``metadata``, ``parallel_tool_calls``, ``store``, ``verbosity``, ``prompt_cache_key``, ..., and any field we do
 not know, as vLLM does) are accepted and ignored; fields that would change the sampling or the reply in a way
 the engine cannot honour (``n > 1``, penalties, ``logit_bias``, structured output, the legacy ``functions``
-API) are refused with a 400 that names the field, never silently dropped. ``tool_choice`` takes every shape
-OpenAI's chat completions define for function tools (``none``/``auto``/``required``, a named function,
-``allowed_tools``); like ``required``, a forced or restricted choice is not enforced on the sampler (the
-model sees every tool; its calls are parsed from its text).
+API) are refused with a 400 that names the field, never silently dropped. ``model`` is required, as OpenAI
+requires it (any name is answered by the session's policy).
+
+``tool_choice``: ``auto`` (the default with tools) and ``none`` are OpenAI's: the model sees the tools and its
+hermes calls are parsed (``auto``) or its text is returned as content (``none``). A choice that OpenAI guarantees
+by constrained sampling (``required``, a named function, ``allowed_tools`` in mode ``required`` or naming only some
+of the tools) is refused with a 400 (code ``tool_choice_not_enforced``): the rollout engines sample without
+guided decoding, so the endpoint cannot promise a call, and a turn that did not call would be recorded under a
+promise the policy never kept. ``allowed_tools`` in mode ``auto`` naming every tool is ``auto``.
 """
 
 from __future__ import annotations
@@ -110,8 +115,8 @@ class ChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    """Echoed back; the session's policy answers whatever is named."""
+    model: str = Field(min_length=1)
+    """Echoed back; the session's policy answers whatever is named (required, as in OpenAI's API)."""
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
@@ -175,6 +180,21 @@ class ChatRequest(BaseModel):
             raise ValueError("tool_choice: 'required' needs tools")
         return self
 
+    def unenforced_tool_choice(self) -> str | None:
+        """What the request's ``tool_choice`` would force that the endpoint cannot (None: auto, none or unset)."""
+        choice = self.tool_choice
+        if choice == "required":
+            return "'required'"
+        if isinstance(choice, NamedToolChoice):
+            return f"a call of {choice.name!r}"
+        if isinstance(choice, AllowedToolsChoice):
+            allowed = choice.allowed_tools
+            if allowed.mode == "required":
+                return "allowed_tools in mode 'required'"
+            if set(allowed.names) != {t.function.name for t in self.tools or ()}:
+                return "allowed_tools naming only some of the tools"
+        return None
+
     @property
     def completion_limit(self) -> int | None:
         """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
@@ -208,7 +228,7 @@ def parse_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return ChatRequest.model_validate(body)
+        req = ChatRequest.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or None
@@ -217,6 +237,13 @@ def parse_request(body: Any) -> ChatRequest:
             loc = msg.split(":", 1)[0]
         text = f"{loc}: {msg}" if loc and not msg.startswith(f"{loc}:") else msg
         raise ApiError(400, text, param=loc) from None
+    forced = req.unenforced_tool_choice()
+    if forced is not None:
+        raise ApiError(400, f"tool_choice: {forced} is not supported: this endpoint cannot enforce a tool call (the "
+                       "rollout engine samples without guided decoding); send tool_choice 'auto' (the model sees the "
+                       "tools and its calls are parsed) or 'none'", param="tool_choice",
+                       code="tool_choice_not_enforced")
+    return req
 
 
 def text_content(content: Any, where: str) -> str:

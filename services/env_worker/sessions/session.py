@@ -13,6 +13,15 @@ trajectory records. So the session keeps the episode's ``Transcript`` and treats
   ``StepCompleted`` for turn ``t`` (seq ``2t+2``) before turn ``t+1`` is requested, with ``new_segment`` and
   ``drift`` set by the transcript. Never a 500: a rewrite is a segment, not an error.
 
+Tools are part of the prompt: the tool-aware template renders them into the system message, so a call whose
+``tools`` differ from the previous call's (added, removed, reordered or edited; ``tool_choice`` does not count)
+cannot extend the context and starts a new segment (drift ``history_rewrite``), rendered with the new tools. The
+turns before it stay a segment of their own, token-exact against the tools they were sampled with.
+
+Stop strings follow OpenAI: the turn's ids are appended verbatim (with a stop string they end with it, and
+maybe more text in the same token), while the action (the reply's content and tool calls, and
+``StepCompleted.action``) is their text cut before the stop string (``mapping.cut_at_stop``; see ``mapping``).
+
 The step of the last turn is published when the agent returns (final: no ids, the agent's reward). Calls of
 one session are serialised (a conversation is linear). A call that finds the turn budget or the context used
 up is refused with a 400 (``max_turns_exceeded`` / ``context_length_exceeded``) and the episode ends
@@ -33,6 +42,8 @@ from rollout_ledger.services.env_worker.sessions.mapping import (
     AssistantTurn,
     Completion,
     assistant_turn,
+    clip_texts,
+    cut_at_stop,
     logprobs_content,
     token_texts,
 )
@@ -147,7 +158,7 @@ class AgentSession:
                                f"({self.episode.max_model_len})", code="context_length_exceeded", param="messages")
             limit = req.completion_limit or self.episode.sampling.max_tokens
             turn = await self._generate(self.turns, transcript, sampling, min(limit, room))
-            return self._answer(req, transcript, turn)
+            return self._answer(req, transcript, turn, sampling.stop)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -205,11 +216,15 @@ class AgentSession:
         finally:
             self._inflight.discard(task)
 
-    def _answer(self, req: ChatRequest, transcript: Transcript, turn: TurnGenerated) -> Completion:
+    def _answer(self, req: ChatRequest, transcript: Transcript, turn: TurnGenerated, stop: list[str]) -> Completion:
+        """The response to a sampled turn. The ids go into the transcript verbatim; the action (what the agent gets
+        and the step records) is their text cut before the stop string that stopped the engine, as OpenAI's
+        content (``mapping.cut_at_stop``; the transcript keeps the whole decoded text for its renderings)."""
         prompt_ids = transcript.context.tolist()
-        action = transcript.add_sampled(turn.token_ids)
+        action, stopped = cut_at_stop(transcript.add_sampled(turn.token_ids), stop)
         self.turns += 1
-        answer: AssistantTurn = assistant_turn(action, turn.finish_reason.value, parse_tools=req.parses_tool_calls,
+        finish = "stop" if stopped else turn.finish_reason.value
+        answer: AssistantTurn = assistant_turn(action, finish, parse_tools=req.parses_tool_calls,
                                                id_seed=turn.event_id)
         self._pending = _Pending(turn, action, answer.canonical())
         tok = transcript.tokenizer
@@ -220,7 +235,7 @@ class AgentSession:
         return Completion(
             id=f"chatcmpl-{uuid.uuid5(uuid.NAMESPACE_URL, turn.event_id).hex}", created=int(time.time()),
             model=req.model or self.model_name, turn=answer, prompt_token_ids=prompt_ids, token_ids=ids,
-            logprobs=lps, token_texts=token_texts(tok, ids) if req.stream else [],
+            logprobs=lps, token_texts=clip_texts(token_texts(tok, ids), len(action)) if req.stream else [],
             extra={"episode_id": turn.episode_id, "turn_index": turn.turn_index, "turn_event_id": turn.event_id,
                    "segment": len(transcript.segments) - 1})
 
