@@ -105,6 +105,11 @@ class EnvWorkerSettings(ConsumerSettings):
     # --- OpenEnv servers (services/envs/openenv_remote.py) -----------------------------------------------
 
     # --- agent process pool (services/env_worker/sessions/) ----------------------------------------------
+    agent_processes: int = Field(2, ge=0, le=256)
+    """Processes running the agent functions of ``agents`` (each runs any number of episodes at once on its own
+    event loop), so agent code does not share the worker's core; one that dies fails its episodes with class
+    ``agent`` (retried within ``retry_agent``) and is started again. 0: agents run on the worker's event loop.
+    Sessions stay in the worker either way. Unused without ``agents``."""
 
     # --- env-aware routing (services/env_worker/worker.py) -----------------------------------------------
 

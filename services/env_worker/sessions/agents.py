@@ -2,14 +2,17 @@
 registered by ``module:function`` (``ROLLOUT_AGENTS="name=module:function"``), run one per episode.
 
 Each episode gets an ``AgentSession`` on the worker's session endpoint and its own ``openai.AsyncOpenAI``
-client on that session's URL; every chat call of the agent is one turn of the episode (see ``session``).
-Outcomes, attributed to one boundary each:
+client on that session's URL (all clients of a process share one HTTP client); every chat call of the agent is
+one turn of the episode (see ``session``). The agent function runs in one of the worker's agent processes
+(``agent_pool``, ``agent_processes`` of them) or, with ``agent_processes=0``, on the worker's own event loop; the
+session, and so every turn and event, is the worker's either way. Outcomes, attributed to one boundary each:
 
 - the agent returns a number or a dict with ``reward``: ``EpisodeFinished`` (``completed``, or ``truncated``
   when a call found the turn budget or the context used up) with the reward, and ``info`` holding the agent's
   ``answer`` and ``agent_info``;
 - the agent raises: ``EpisodeFailed`` class ``agent`` with the traceback in the reason (the worker goes on);
 - the agent runs past ``agent_timeout_s``: it is cancelled with its in-flight generations, class ``timeout``;
+- its agent process dies before it returns: class ``agent`` (retryable within ``retry_agent``), saying how;
 - the agent returns without a single model call, or returns something else: class ``agent``, saying so;
 - the policy produced no turn for a call (the inference budget is spent): class ``inference``, whatever the
   agent did with the 503 it got.
@@ -17,24 +20,30 @@ Outcomes, attributed to one boundary each:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import copy
-import importlib
-import inspect
-import math
-import os
-import sys
-import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 from nats.js import JetStreamContext
 
-from rollout_ledger.services.env_worker.driver import AttemptOutcome, DriverDeps, EpisodeDriver, _jsonable
+from rollout_ledger.services.env_worker.driver import AttemptOutcome, DriverDeps, EpisodeDriver
+from rollout_ledger.services.env_worker.sessions.agent_pool import AgentPool
+from rollout_ledger.services.env_worker.sessions.agent_run import (
+    AgentLoadError,
+    AgentResult,
+    AgentRun,
+    AgentSpec,
+    RunEnd,
+    RunOutcome,
+    agent_result,
+    load_agent,
+    load_agents,
+    parse_agents,
+    run_agent,
+    shared_http_client,
+)
 from rollout_ledger.services.env_worker.sessions.app import SessionRegistry, session_app
 from rollout_ledger.services.env_worker.sessions.protocol import Message
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
@@ -58,125 +67,23 @@ from rollout_ledger.shared.subjects import ENVS_BUCKET, env_key
 
 log = get_logger(__name__)
 
-AgentFunction = Callable[[dict[str, Any], Any], Awaitable[Any]]
-"""``async def run(task: dict, client: openai.AsyncOpenAI) -> float | dict``."""
+AgentRunner = Callable[[AgentRun], Awaitable[RunOutcome]]
+"""Runs one agent call (``AgentRuntime.run_agent``)."""
 
-_REASON_CHARS = 1900
-"""Room for the traceback in ``EpisodeFailed.reason`` (the event keeps 2,000 characters)."""
-
-
-class AgentLoadError(ValueError):
-    """An agent entry cannot be parsed or its function imported (the worker refuses to start)."""
-
-
-@dataclass(frozen=True)
-class AgentSpec:
-    """A registered agent function."""
-
-    name: str
-    """The env name batches use."""
-    target: str
-    """``module:function``."""
-    function: AgentFunction
-    description: str = ""
-
-    def advert(self, registered_by: str) -> dict[str, Any]:
-        """The ``rl_envs`` bucket value (the scheduler accepts the name as an env)."""
-        return {"name": self.name, "description": self.description or f"agent function {self.target}",
-                "multi_turn": True, "example_task": {}, "registered_by": registered_by, "kind": "agent",
-                "agent": self.target}
-
-
-def parse_agents(value: str) -> dict[str, str]:
-    """``"a=pkg.mod:fn, b=other:run"`` -> ``{"a": "pkg.mod:fn", "b": "other:run"}`` (``AgentLoadError`` when
-    an entry is malformed or a name repeats)."""
-    out: dict[str, str] = {}
-    for raw in value.split(","):
-        entry = raw.strip()
-        if not entry:
-            continue
-        name, sep, target = entry.partition("=")
-        name, target = name.strip(), target.strip()
-        module, colon, attr = target.partition(":")
-        if not sep or not name or not colon or not module or not attr:
-            raise AgentLoadError(f"agent entry {entry!r}: expected name=module:function")
-        if name in out:
-            raise AgentLoadError(f"agent {name!r} is listed twice")
-        out[name] = target
-    return out
-
-
-def load_agent(name: str, target: str) -> AgentSpec:
-    """Import ``module:function`` (an ``async def`` taking ``(task, client)``)."""
-    module_name, _, attr = target.partition(":")
-    if os.getcwd() not in sys.path:  # as uvicorn does: modules of the directory the worker runs in import
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise AgentLoadError(f"agent {name!r}: cannot import {module_name}: {type(exc).__name__}: {exc}") from exc
-    function: Any = module
-    for part in attr.split("."):
-        function = getattr(function, part, None)
-        if function is None:
-            raise AgentLoadError(f"agent {name!r}: {module_name} has no {attr}")
-    if not inspect.iscoroutinefunction(function):
-        raise AgentLoadError(f"agent {name!r}: {target} must be an async function run(task, client)")
-    doc = inspect.getdoc(function) or ""
-    return AgentSpec(name=name, target=target, function=function, description=doc.split("\n", 1)[0])
-
-
-def load_agents(value: str) -> dict[str, AgentSpec]:
-    """Every agent of a ``ROLLOUT_AGENTS`` value, imported."""
-    return {name: load_agent(name, target) for name, target in parse_agents(value).items()}
-
-
-@dataclass(frozen=True)
-class AgentResult:
-    """What an agent returned, checked."""
-
-    reward: float
-    info: dict[str, Any]
-    answer: Any
-
-
-def agent_result(value: Any) -> AgentResult:
-    """The reward, info and answer of an agent's return value; ``ValueError`` saying what is wrong."""
-    if isinstance(value, bool) or not isinstance(value, int | float | dict):
-        raise ValueError(f"the agent returned {type(value).__name__}; expected a number (the reward) or a dict "
-                         "with 'reward' (and optionally 'info', 'answer')")
-    if isinstance(value, dict):
-        reward = value.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, int | float):
-            raise ValueError(f"the agent's result has no numeric 'reward' (got {reward!r})")
-        info = value.get("info") or {}
-        if not isinstance(info, dict):
-            raise ValueError(f"the agent's 'info' must be a dict, got {type(info).__name__}")
-        result = AgentResult(float(reward), _jsonable(info), _jsonable({"a": value.get("answer")})["a"])
-    else:
-        result = AgentResult(float(value), {}, None)
-    if not math.isfinite(result.reward):
-        raise ValueError(f"the agent's reward is not finite ({result.reward})")
-    return result
-
-
-def _failure_reason(agent: AgentSpec, exc: BaseException) -> str:
-    """The exception and the end of its traceback (the frames nearest the error matter most)."""
-    head = f"agent {agent.name} ({agent.target}) raised {type(exc).__name__}: {exc}"[:400]
-    tb = "".join(traceback.format_exception(exc))
-    room = _REASON_CHARS - len(head) - 1
-    return f"{head}\n{tb[-room:]}" if room > 0 else head
-
+__all__ = ["AgentEpisode", "AgentLoadError", "AgentRuntime", "AgentSpec", "agent_result", "load_agent",
+           "load_agents", "parse_agents"]
 
 class AgentEpisode(EpisodeDriver):
     """One attempt of an agent episode: the agent function against its session (single use)."""
 
     def __init__(self, deps: DriverDeps, item: EpisodeRequested, attempt: int, agent: AgentSpec,
-                 sessions: SessionRegistry, timeout_s: float) -> None:
+                 sessions: SessionRegistry, timeout_s: float, runner: AgentRunner) -> None:
         super().__init__(deps, item, attempt)
         self.agent = agent
         self.sessions = sessions
         self.timeout_s = timeout_s
+        self.runner = runner
+        """Where the agent function runs (in this process, or in an agent process of the pool)."""
         self._sticky: str | None = None
         """The inference worker of the previous turn (its prefix cache is warm)."""
 
@@ -235,68 +142,55 @@ class AgentEpisode(EpisodeDriver):
                                                      attempt=self.attempt, agent=self.agent.name):
             if self.deps.is_cancelled(self.item.batch_id):
                 return await self._cancelled()
-            from openai import AsyncOpenAI  # the SDK only where agents run
-
             session = AgentSession(self, self.deps.template, self.sessions.model_name)
             secret = self.sessions.open(self.ep, session)
-            client = AsyncOpenAI(base_url=self.sessions.url(self.ep), api_key=secret, max_retries=0,
-                                 timeout=self.timeout_s or None)
-            result: Any = None
-            error: BaseException | None = None
-            timed_out = False
+            run = AgentRun(agent=self.agent.name, task=copy.deepcopy(self.item.task),
+                           base_url=self.sessions.url(self.ep), api_key=secret, timeout_s=self.timeout_s)
             try:
-                timeout = asyncio.timeout(self.timeout_s or None)
-                try:
-                    async with timeout:
-                        result = await self.agent.function(copy.deepcopy(self.item.task), client)
-                except TimeoutError as exc:
-                    if timeout.expired():
-                        timed_out = True
-                    else:
-                        error = exc
-                except Exception as exc:  # user code: any exception is the agent's failure
-                    error = exc
+                outcome = await self.runner(run)
             finally:
                 self.sessions.close(self.ep)
                 await session.close()
-                with contextlib.suppress(Exception):
-                    await client.close()
-            return await self._conclude(session, result, error, timed_out)
+            return await self._conclude(session, outcome)
 
-    async def _conclude(self, session: AgentSession, result: Any, error: BaseException | None,
-                        timed_out: bool) -> AttemptOutcome:
+    async def _conclude(self, session: AgentSession, outcome: RunOutcome) -> AttemptOutcome:
         ending = session.ending
-        if timed_out:
+        if outcome.end is RunEnd.TIMEOUT:
             await session.finish(0.0)
+            how = f" ({outcome.message})" if outcome.message else ""
             return await self._failed(FailureClass.TIMEOUT, f"agent {self.agent.name} ran past its {self.timeout_s:g}s "
                                       f"deadline after {session.turns} model calls; it and its in-flight generations "
-                                      "were cancelled", retryable=True)
+                                      f"were cancelled{how}", retryable=True)
         if ending is not None and ending.status == "cancelled":
             await session.finish(0.0)
             return await self._cancelled()
         if ending is not None and ending.failure_class is not None:
             await session.finish(0.0)
             return await self._failed(ending.failure_class, ending.reason, retryable=ending.retryable)
-        if error is not None and ending is None:
+        if outcome.end is RunEnd.LOST:
             await session.finish(0.0)
-            log.warning("agent.raised", error=f"{type(error).__name__}: {error}")
-            return await self._failed(FailureClass.AGENT, _failure_reason(self.agent, error), retryable=True)
+            log.warning("agent.lost", reason=outcome.message)
+            return await self._failed(FailureClass.AGENT, f"agent {self.agent.name}: {outcome.message} (after "
+                                      f"{session.turns} model calls)", retryable=True)
+        if outcome.end is RunEnd.RAISED and ending is None:
+            await session.finish(0.0)
+            log.warning("agent.raised", error=outcome.error)
+            return await self._failed(FailureClass.AGENT, outcome.message, retryable=True)
         if session.turns == 0:
             return await self._failed(FailureClass.AGENT, f"no model calls: agent {self.agent.name} returned without "
                                       "calling the policy (its client's base_url is the session endpoint)")
-        try:
-            outcome = agent_result(result) if error is None else AgentResult(0.0, {}, None)
-        except ValueError as exc:
+        if outcome.end is RunEnd.INVALID:
             await session.finish(0.0)
-            return await self._failed(FailureClass.AGENT, f"agent {self.agent.name}: {exc}")
+            return await self._failed(FailureClass.AGENT, outcome.message)
+        result = outcome.result if outcome.end is RunEnd.RETURNED and outcome.result is not None else AgentResult(0.0)
         status, stop = TrajectoryStatus.COMPLETED, "agent_returned"
         if ending is not None:  # a call found the turn budget or the context used up
             status, stop = TrajectoryStatus.TRUNCATED, ending.reason
-        extra: dict[str, Any] = {"answer": outcome.answer, "agent_info": outcome.info, "model_calls": session.turns}
-        if error is not None:
-            extra["agent_error"] = f"{type(error).__name__}: {error}"[:500]
-        await session.finish(outcome.reward, info=extra)  # the last step's info: queryable in SQL (steps.info)
-        return await self._agent_finished(status, stop, outcome.reward, extra)
+        extra: dict[str, Any] = {"answer": result.answer, "agent_info": result.info, "model_calls": session.turns}
+        if outcome.end is RunEnd.RAISED:
+            extra["agent_error"] = outcome.error
+        await session.finish(result.reward, info=extra)  # the last step's info: queryable in SQL (steps.info)
+        return await self._agent_finished(status, stop, result.reward, extra)
 
     async def _agent_finished(self, status: TrajectoryStatus, stop_reason: str, reward: float,
                               extra: dict[str, Any]) -> AttemptOutcome:
@@ -318,33 +212,54 @@ class AgentEpisode(EpisodeDriver):
 
 
 class AgentRuntime:
-    """The agents of one worker, the registry of their sessions and their timeout: what the worker consults for
-    a work item whose env names an agent."""
+    """The agents of one worker, the registry of their sessions, their timeout and where they run (in this
+    process, or in the pool of agent processes): what the worker consults for a work item whose env names an
+    agent."""
 
-    def __init__(self, agents: dict[str, AgentSpec], sessions: SessionRegistry, timeout_s: float) -> None:
+    def __init__(self, agents: dict[str, AgentSpec], sessions: SessionRegistry, timeout_s: float,
+                 pool: AgentPool | None = None) -> None:
         self.agents = agents
         self.sessions = sessions
         self.timeout_s = timeout_s
+        self.pool = pool
+        """The agent processes (None: agents run on this process's event loop)."""
+        self.http = shared_http_client()
+        """The HTTP client of every in-process agent's ``AsyncOpenAI``."""
         self.server: HttpServer | None = None
 
     @classmethod
     async def start(cls, settings: EnvWorkerSettings) -> AgentRuntime | None:
-        """Import ``settings.agents`` and serve their sessions on ``session_host:session_port``; None without
-        agents (no session server then)."""
+        """Import ``settings.agents``, start ``agent_processes`` processes running them (0: none, they run here)
+        and serve their sessions on ``session_host:session_port``; None without agents (no session server then)."""
         agents = load_agents(settings.agents)
         if not agents:
             return None
-        runtime = cls(agents, SessionRegistry(Path(settings.model).name or "policy"), settings.agent_timeout_s)
-        runtime.server = HttpServer(session_app(runtime.sessions), settings.session_host, settings.session_port)
-        await runtime.server.start()
+        pool = await AgentPool(settings.agents, settings.agent_processes).start() if settings.agent_processes else None
+        runtime = cls(agents, SessionRegistry(Path(settings.model).name or "policy"), settings.agent_timeout_s, pool)
+        try:
+            runtime.server = HttpServer(session_app(runtime.sessions), settings.session_host, settings.session_port)
+            await runtime.server.start()
+        except BaseException:
+            await runtime.stop()
+            raise
         host = "127.0.0.1" if settings.session_host in ("", "0.0.0.0", "::") else settings.session_host
         runtime.sessions.base_url = settings.session_url.rstrip("/") or f"http://{host}:{runtime.server.port}"
-        log.info("agents.ready", agents=runtime.names(), sessions=runtime.sessions.base_url)
+        log.info("agents.ready", agents=runtime.names(), sessions=runtime.sessions.base_url,
+                 agent_processes=len(pool.procs) if pool is not None else 0)
         return runtime
 
     async def stop(self) -> None:
+        if self.pool is not None:
+            await self.pool.stop()
         if self.server is not None:
             await self.server.stop()
+        await self.http.shutdown()
+
+    async def run_agent(self, run: AgentRun) -> RunOutcome:
+        """Run one agent call where this worker runs agents."""
+        if self.pool is not None:
+            return await self.pool.run(run)
+        return await run_agent(self.agents[run.agent], run, self.http)
 
     def driver(self, deps: DriverDeps, item: EpisodeRequested, attempt: int) -> AgentEpisode | None:
         """The episode of ``item`` when its env is one of the agents, else None."""
@@ -352,7 +267,7 @@ class AgentRuntime:
         if agent is None:
             return None
         deadlines = [t for t in (self.timeout_s, deps.episode_timeout_s) if t > 0]  # the nearer one applies
-        return AgentEpisode(deps, item, attempt, agent, self.sessions, min(deadlines, default=0.0))
+        return AgentEpisode(deps, item, attempt, agent, self.sessions, min(deadlines, default=0.0), self.run_agent)
 
     async def register(self, js: JetStreamContext, worker_id: str) -> None:
         """Advertise every agent in the ``rl_envs`` bucket (the scheduler accepts their names as envs)."""

@@ -1,0 +1,261 @@
+"""One call of an agent function and what came of it: loading ``name=module:function`` entries, running one
+against its session URL (in the env worker or in an agent process), and the outcome as plain data.
+
+Kept free of the worker's bus, driver and tokenizer imports: agent processes (``agent_process``) import it, and
+their start-up cost is what they import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import os
+import sys
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, cast
+
+import orjson
+
+AgentFunction = Callable[[dict[str, Any], Any], Awaitable[Any]]
+"""``async def run(task: dict, client: openai.AsyncOpenAI) -> float | dict``."""
+
+REASON_CHARS = 1900
+"""Room for the traceback in ``EpisodeFailed.reason`` (the event keeps 2,000 characters)."""
+
+
+class AgentLoadError(ValueError):
+    """An agent entry cannot be parsed or its function imported (the worker refuses to start)."""
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """A registered agent function."""
+
+    name: str
+    """The env name batches use."""
+    target: str
+    """``module:function``."""
+    function: AgentFunction
+    description: str = ""
+
+    def advert(self, registered_by: str) -> dict[str, Any]:
+        """The ``rl_envs`` bucket value (the scheduler accepts the name as an env)."""
+        return {"name": self.name, "description": self.description or f"agent function {self.target}",
+                "multi_turn": True, "example_task": {}, "registered_by": registered_by, "kind": "agent",
+                "agent": self.target}
+
+
+def parse_agents(value: str) -> dict[str, str]:
+    """``"a=pkg.mod:fn, b=other:run"`` -> ``{"a": "pkg.mod:fn", "b": "other:run"}`` (``AgentLoadError`` when
+    an entry is malformed or a name repeats)."""
+    out: dict[str, str] = {}
+    for raw in value.split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        name, sep, target = entry.partition("=")
+        name, target = name.strip(), target.strip()
+        module, colon, attr = target.partition(":")
+        if not sep or not name or not colon or not module or not attr:
+            raise AgentLoadError(f"agent entry {entry!r}: expected name=module:function")
+        if name in out:
+            raise AgentLoadError(f"agent {name!r} is listed twice")
+        out[name] = target
+    return out
+
+
+def load_agent(name: str, target: str) -> AgentSpec:
+    """Import ``module:function`` (an ``async def`` taking ``(task, client)``)."""
+    module_name, _, attr = target.partition(":")
+    if os.getcwd() not in sys.path:  # as uvicorn does: modules of the directory the worker runs in import
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise AgentLoadError(f"agent {name!r}: cannot import {module_name}: {type(exc).__name__}: {exc}") from exc
+    function: Any = module
+    for part in attr.split("."):
+        function = getattr(function, part, None)
+        if function is None:
+            raise AgentLoadError(f"agent {name!r}: {module_name} has no {attr}")
+    if not inspect.iscoroutinefunction(function):
+        raise AgentLoadError(f"agent {name!r}: {target} must be an async function run(task, client)")
+    doc = inspect.getdoc(function) or ""
+    return AgentSpec(name=name, target=target, function=function, description=doc.split("\n", 1)[0])
+
+
+def load_agents(value: str) -> dict[str, AgentSpec]:
+    """Every agent of a ``ROLLOUT_AGENTS`` value, imported."""
+    return {name: load_agent(name, target) for name, target in parse_agents(value).items()}
+
+
+def jsonable(value: dict[str, Any]) -> dict[str, Any]:
+    """Free-form agent output as plain JSON values (numpy scalars, sets, objects become JSON or strings)."""
+    if not value:
+        return {}
+    out = orjson.loads(orjson.dumps(value, default=str, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS))
+    return out if isinstance(out, dict) else {"info": out}
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """What an agent returned, checked."""
+
+    reward: float
+    info: dict[str, Any] = field(default_factory=dict)
+    answer: Any = None
+
+
+def agent_result(value: Any) -> AgentResult:
+    """The reward, info and answer of an agent's return value; ``ValueError`` saying what is wrong."""
+    if isinstance(value, bool) or not isinstance(value, int | float | dict):
+        raise ValueError(f"the agent returned {type(value).__name__}; expected a number (the reward) or a dict "
+                         "with 'reward' (and optionally 'info', 'answer')")
+    if isinstance(value, dict):
+        reward = value.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise ValueError(f"the agent's result has no numeric 'reward' (got {reward!r})")
+        info = value.get("info") or {}
+        if not isinstance(info, dict):
+            raise ValueError(f"the agent's 'info' must be a dict, got {type(info).__name__}")
+        result = AgentResult(float(reward), jsonable(info), jsonable({"a": value.get("answer")})["a"])
+    else:
+        result = AgentResult(float(value), {}, None)
+    if not math.isfinite(result.reward):
+        raise ValueError(f"the agent's reward is not finite ({result.reward})")
+    return result
+
+
+def failure_reason(agent: AgentSpec, exc: BaseException) -> str:
+    """The exception and the end of its traceback (the frames nearest the error matter most)."""
+    head = f"agent {agent.name} ({agent.target}) raised {type(exc).__name__}: {exc}"[:400]
+    tb = "".join(traceback.format_exception(exc))
+    room = REASON_CHARS - len(head) - 1
+    return f"{head}\n{tb[-room:]}" if room > 0 else head
+
+
+class RunEnd(StrEnum):
+    """How a call of an agent function ended (the episode's outcome also depends on its session)."""
+
+    RETURNED = "returned"
+    """It returned a valid result (``RunOutcome.result``)."""
+    INVALID = "invalid"
+    """It returned something that is not a reward (``message`` says what)."""
+    RAISED = "raised"
+    """It raised (``message``: the exception and its traceback; ``error``: the one-line summary)."""
+    TIMEOUT = "timeout"
+    """It ran past its deadline and was cancelled."""
+    LOST = "lost"
+    """Its agent process died or stopped answering before it ended (``message`` says how)."""
+
+
+@dataclass(frozen=True)
+class AgentRun:
+    """One call of an agent function: all an agent process needs (the session itself stays in the worker)."""
+
+    agent: str
+    """The agent's name (an entry of ``ROLLOUT_AGENTS``)."""
+    task: dict[str, Any]
+    base_url: str
+    """The OpenAI ``base_url`` of the episode's session."""
+    api_key: str
+    """The session's secret."""
+    timeout_s: float
+    """Deadline of the call; 0: none."""
+
+    def wire(self) -> dict[str, Any]:
+        return {"agent": self.agent, "task": self.task, "base_url": self.base_url, "api_key": self.api_key,
+                "timeout_s": self.timeout_s}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> AgentRun:
+        return cls(agent=d["agent"], task=d["task"], base_url=d["base_url"], api_key=d["api_key"],
+                   timeout_s=float(d["timeout_s"]))
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What came of one ``AgentRun``."""
+
+    end: RunEnd
+    result: AgentResult | None = None
+    message: str = ""
+    error: str = ""
+
+    def wire(self) -> dict[str, Any]:
+        r = self.result
+        return {"end": self.end.value, "message": self.message, "error": self.error,
+                "result": None if r is None else {"reward": r.reward, "info": r.info, "answer": r.answer}}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> RunOutcome:
+        r = d.get("result")
+        result = None if r is None else AgentResult(float(r["reward"]), r.get("info") or {}, r.get("answer"))
+        return cls(RunEnd(d["end"]), result, str(d.get("message") or ""), str(d.get("error") or ""))
+
+
+class SharedHttpClient(Protocol):
+    """The one HTTP client of every episode's ``AsyncOpenAI`` in a process (``shared_http_client``)."""
+
+    async def aclose(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+def shared_http_client() -> SharedHttpClient:
+    """The one HTTP client every episode's ``AsyncOpenAI`` of a process uses (``http_client=``): a fresh
+    ``AsyncOpenAI`` costs ~20-26 ms of CPU building its SSL context, one on this client ~0.04 ms. It is the
+    SDK's own client class (``httpx2`` or ``httpx``, whichever this ``openai`` speaks) with keep-alive for many
+    sessions; an agent that closes its client (``await client.close()``, ``async with client``) leaves this
+    one open for the others (``shutdown`` closes it)."""
+    from openai import DefaultAsyncHttpxClient
+
+    base = next(c for c in DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
+    module = importlib.import_module(base.__module__.split(".")[0])
+
+    class _Shared(DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:
+            """Ignored: the client is shared."""
+
+        async def shutdown(self) -> None:
+            await super().aclose()
+
+    shared: SharedHttpClient = _Shared(limits=module.Limits(max_connections=None, max_keepalive_connections=1024))
+    return shared
+
+
+def openai_client(run: AgentRun, http: SharedHttpClient) -> Any:
+    """The ``openai.AsyncOpenAI`` an agent gets: its session's URL and secret, no SDK retries (a retried call
+    would be another turn), the call's deadline as the request timeout."""
+    from openai import AsyncOpenAI  # the SDK only where agents run
+
+    return AsyncOpenAI(base_url=run.base_url, api_key=run.api_key, max_retries=0, timeout=run.timeout_s or None,
+                       http_client=cast(Any, http))
+
+
+async def run_agent(spec: AgentSpec, run: AgentRun, http: SharedHttpClient) -> RunOutcome:
+    """Call ``spec``'s function on ``run`` within its deadline; cancellation from outside propagates."""
+    client = openai_client(run, http)
+    timeout = asyncio.timeout(run.timeout_s or None)
+    try:
+        async with timeout:
+            value = await spec.function(run.task, client)
+    except TimeoutError as exc:
+        if timeout.expired():
+            return RunOutcome(RunEnd.TIMEOUT)
+        return _raised(spec, exc)
+    except Exception as exc:  # user code: any exception is the agent's failure
+        return _raised(spec, exc)
+    try:
+        return RunOutcome(RunEnd.RETURNED, agent_result(value))
+    except ValueError as exc:
+        return RunOutcome(RunEnd.INVALID, message=f"agent {spec.name}: {exc}")
+
+
+def _raised(spec: AgentSpec, exc: BaseException) -> RunOutcome:
+    return RunOutcome(RunEnd.RAISED, message=failure_reason(spec, exc), error=f"{type(exc).__name__}: {exc}"[:500])

@@ -1,0 +1,138 @@
+"""The agent process pool on real processes: runs spread over them, results and tracebacks come back, deadlines
+are enforced in the agent process (and a process that blocks its event loop is killed), a process that dies
+ends its runs ``lost`` and is started again, a cancelled run is cancelled in its process.
+
+The agents below make no model calls (the session endpoint is tested with the pool in
+tests/integration/test_agent_pool.py); each gets the ``AsyncOpenAI`` the pool builds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_ledger.services.env_worker.sessions import agent_pool
+from rollout_ledger.services.env_worker.sessions.agent_pool import AgentPool
+from rollout_ledger.services.env_worker.sessions.agent_run import AgentRun, RunEnd
+
+HERE = "tests.unit.test_agent_pool"
+
+
+async def echo(task: dict[str, Any], client: Any) -> dict[str, Any]:
+    """Returns the task's reward; says which process and which HTTP client ran it."""
+    await asyncio.sleep(task.get("sleep", 0))
+    if task.get("close"):
+        await client.close()  # an agent closing its client leaves the shared one open
+    return {"reward": task["reward"], "answer": str(client.base_url),
+            "info": {"pid": os.getpid(), "http": id(client._client)}}
+
+
+async def raises(task: dict[str, Any], client: Any) -> float:
+    return _parse("nope")
+
+
+def _parse(text: str) -> float:
+    return float(text)
+
+
+async def sleeps(task: dict[str, Any], client: Any) -> float:
+    """Sleeps; leaves a mark when it is cancelled."""
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        Path(task["mark"]).write_text("cancelled")
+        raise
+    return 1.0
+
+
+async def blocks(task: dict[str, Any], client: Any) -> float:
+    """Blocks its process's event loop (a deadline cannot cancel it)."""
+    time.sleep(60)
+    return 1.0
+
+
+async def crashes(task: dict[str, Any], client: Any) -> float:
+    await asyncio.sleep(task.get("sleep", 0))
+    os._exit(3)
+
+
+AGENTS = ",".join(f"{n}={HERE}:{n}" for n in ("echo", "raises", "sleeps", "blocks", "crashes"))
+
+
+def run(agent: str, timeout_s: float = 10.0, **task: Any) -> AgentRun:
+    return AgentRun(agent=agent, task=task, base_url="http://127.0.0.1:9/sessions/ep/v1", api_key="sess-x",
+                    timeout_s=timeout_s)
+
+
+@pytest.fixture
+async def pool(request: pytest.FixtureRequest) -> AsyncIterator[AgentPool]:
+    p = await AgentPool(AGENTS, getattr(request, "param", 2)).start()
+    yield p
+    await p.stop()
+
+
+async def test_runs_spread_over_processes_sharing_one_http_client(pool: AgentPool) -> None:
+    outs = await asyncio.gather(*(pool.run(run("echo", reward=i / 10, sleep=0.2, close=i == 0)) for i in range(8)))
+    assert [o.end for o in outs] == [RunEnd.RETURNED] * 8
+    assert [o.result.reward for o in outs if o.result] == [i / 10 for i in range(8)]
+    assert outs[0].result is not None and outs[0].result.answer == "http://127.0.0.1:9/sessions/ep/v1/"
+    by_pid: dict[int, set[int]] = {}
+    for o in outs:
+        assert o.result is not None
+        by_pid.setdefault(o.result.info["pid"], set()).add(o.result.info["http"])
+    assert len(by_pid) == 2 and set(pool.pids()) == set(by_pid) and os.getpid() not in by_pid
+    assert all(len(clients) == 1 for clients in by_pid.values())  # one HTTP client per process
+
+
+async def test_tracebacks_and_deadlines_come_from_the_agent_process(pool: AgentPool) -> None:
+    raised = await pool.run(run("raises"))
+    assert raised.end is RunEnd.RAISED and raised.error == "ValueError: could not convert string to float: 'nope'"
+    assert "Traceback" in raised.message and "_parse" in raised.message
+    started = time.monotonic()
+    timed_out = await pool.run(run("sleeps", timeout_s=0.5, mark="/dev/null"))
+    assert timed_out.end is RunEnd.TIMEOUT and timed_out.message == ""  # the process cancelled it, on time
+    assert time.monotonic() - started < 0.5 + agent_pool.GRACE_S
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+async def test_a_dead_process_loses_its_runs_and_is_restarted(pool: AgentPool, tmp_path: Path) -> None:
+    (pid,) = pool.pids()
+    other = asyncio.create_task(pool.run(run("sleeps", mark=str(tmp_path / "m"))))
+    crashed = await pool.run(run("crashes", sleep=0.2))
+    assert crashed.end is RunEnd.LOST and f"pid {pid}" in crashed.message and "exited with code 3" in crashed.message
+    lost = await other
+    assert lost.end is RunEnd.LOST
+    after = await pool.run(run("echo", reward=1.0))  # waits for the restarted process
+    assert after.end is RunEnd.RETURNED and after.result is not None and after.result.info["pid"] != pid
+    assert pool.restarts == 1 and pool.pids() == [after.result.info["pid"]]
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+async def test_a_process_blocking_past_the_deadline_is_killed(pool: AgentPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_pool, "GRACE_S", 0.5)
+    (pid,) = pool.pids()
+    stuck = await pool.run(run("blocks", timeout_s=0.3))
+    assert stuck.end is RunEnd.TIMEOUT and f"pid {pid}" in stuck.message and "was killed" in stuck.message
+    after = await pool.run(run("echo", reward=0.0))
+    assert after.end is RunEnd.RETURNED and pool.pids() != [pid]
+
+
+async def test_cancelling_a_run_cancels_it_in_its_process(pool: AgentPool, tmp_path: Path) -> None:
+    mark = tmp_path / "mark"
+    task = asyncio.create_task(pool.run(run("sleeps", mark=str(mark))))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(50):
+        if mark.exists():
+            break
+        await asyncio.sleep(0.05)
+    assert mark.read_text() == "cancelled"
+    assert all(not p.pending for p in pool.procs)
