@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
+from rollout_ledger.services.envs.openenv_remote import OpenEnvEndpoint, parse_openenv_envs
 from rollout_ledger.services.envs.remote import RemoteConfig, RemoteEndpoint, parse_remote_envs
 from rollout_ledger.shared.events import FailureClass
 from rollout_ledger.shared.kit.settings import ConsumerSettings
@@ -103,6 +104,25 @@ class EnvWorkerSettings(ConsumerSettings):
     # --- reasoning-gym and user env classes (services/envs/reasoning_gym.py, custom.py) ------------------
 
     # --- OpenEnv servers (services/envs/openenv_remote.py) -----------------------------------------------
+    openenv_envs: str = ""
+    """OpenEnv environment servers, ``name=url[;option=value...],...``: each is registered as the env
+    ``openenv:<name>``, one WebSocket session on the server's ``/ws`` per episode attempt. The URL is ``ws(s)://``
+    or ``http(s)://`` (converted). Options: ``action=<field>`` (the action field that carries the policy's text;
+    default ``message``) or ``action=json`` (the text is the action's JSON object); ``observation=<field>`` (the
+    observation field shown as the user message; default: every field as JSON); ``concurrency=N`` (sessions open
+    at once; default ``openenv_concurrency``). Timeouts, retries and backoff are the ``remote_*`` settings'."""
+    openenv_concurrency: int = Field(8, ge=1)
+    """Sessions open at once per OpenEnv server (set it to the server's ``max_concurrent_envs``: a server at
+    capacity refuses the session, which is retried with backoff); further episodes wait for a free one."""
+
+    @field_validator("openenv_envs")
+    @classmethod
+    def _check_openenv_envs(cls, v: str) -> str:
+        parse_openenv_envs(v)  # ValueError names the bad entry
+        return v
+
+    def openenv_endpoints(self) -> list[OpenEnvEndpoint]:
+        return parse_openenv_envs(self.openenv_envs)
 
     # --- agent process pool (services/env_worker/sessions/) ----------------------------------------------
     agent_processes: int = Field(2, ge=0, le=256)
