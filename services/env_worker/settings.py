@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
+from rollout_ledger.services.envs.custom import parse_env_classes
 from rollout_ledger.services.envs.openenv_remote import OpenEnvEndpoint, parse_openenv_envs
+from rollout_ledger.services.envs.reasoning_gym import enabled_datasets
 from rollout_ledger.services.envs.remote import RemoteConfig, RemoteEndpoint, parse_remote_envs
 from rollout_ledger.shared.events import FailureClass
 from rollout_ledger.shared.kit.settings import ConsumerSettings
@@ -102,6 +104,31 @@ class EnvWorkerSettings(ConsumerSettings):
     # --- tau2-bench envs (services/envs/tau2_bench.py) ---------------------------------------------------
 
     # --- reasoning-gym and user env classes (services/envs/reasoning_gym.py, custom.py) ------------------
+    rg_datasets: str = "all"
+    """reasoning-gym datasets registered as the envs ``rg:<dataset>`` (one family in ``GET /v1/envs``): ``all``
+    (every dataset of the installed library; none when it is not installed), ``none``, or a comma-separated list
+    (``basic_arithmetic,chain_sum``). The library is imported on the first ``rg:`` episode, not at start."""
+    rg_cache_size: int = Field(32, ge=1)
+    """reasoning-gym datasets kept built per worker, one per (dataset, config, seed), least recently used first
+    out."""
+    env_classes: str = ""
+    """User environment classes, ``name=module:Class,...``: gymnasium-style (``reset(seed, options)`` ->
+    ``(observation, info)``, ``step(action)`` -> ``(observation, reward, terminated, truncated, info)``, sync or
+    async) or subclasses of ``rollout_ledger.services.envs.base.Env``; each is registered as the env ``name``
+    beside those of the ``rollout_ledger.envs`` entry points. Checked at start: a bad entry stops the worker."""
+
+    @field_validator("rg_datasets")
+    @classmethod
+    def _check_rg_datasets(cls, v: str) -> str:
+        enabled_datasets(v)  # RgSettingsError names the unknown dataset
+        return v
+
+    @field_validator("env_classes")
+    @classmethod
+    def _check_env_classes(cls, v: str) -> str:
+        parse_env_classes(v)  # EnvClassError names the malformed entry
+        return v
+
 
     # --- OpenEnv servers (services/envs/openenv_remote.py) -----------------------------------------------
     openenv_envs: str = ""
