@@ -45,14 +45,15 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
                                               tmp_path: Path) -> None:
     inf = stack.start("inference-worker", name="inf-a", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="0.2",
                       ROLLOUT_FAKE_LOAD_S="0.5", ROLLOUT_POLICY_REPORT_S="1")
-    env = stack.start("env-worker", ROLLOUT_CONCURRENCY="8", ROLLOUT_POLICY_REPORT_S="1")
+    env = stack.start("env-worker", ROLLOUT_CONCURRENCY="16", ROLLOUT_POLICY_REPORT_S="1")
     stack.start("recorder")
     url = stack.start("scheduler").url
     assert _until_state(url, "inf-a", 0, "serving", timeout_s=10)["serving"] == 0  # reports are eventual
     r = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
-        # 12 turns: an episode seen mid-way through the recorder (which lags the workers under load) still has
-        # turns to generate when the abort lands
-        "env": "fixed-turns", "tasks": [{"turns": 12}] * 24, "group_size": 2, "max_turns": 12,
+        # Three waves of 16 episodes of 24 turns (~4.8 s a wave; the drain of version 1 lines them up). The abort
+        # is announced once the recorder shows an episode of the third wave at turn 1-3 and no further: it still
+        # has ~4 s of turns to generate, margin for the recorder's lag behind the workers under load.
+        "env": "fixed-turns", "tasks": [{"turns": 24}] * 24, "group_size": 2, "max_turns": 24,
         "sampling": {"max_tokens": 8}})
     assert r.status_code == 201, r.text
     batch_id = r.json()["batch_id"]
@@ -66,9 +67,12 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
                  "turns on version 1")
         wait_for(lambda: sql.scalar("select count(*) from trajectories where action_versions <@ array[1]"), 60,
                  "an episode wholly on version 1")
+        # "no turn past 3": an episode that has finished but whose end the recorder has not stored yet still reads
+        # 'running'; without this the abort could land between two waves, and no episode would span it
         wait_for(lambda: sql.scalar("select count(*) from episodes e where e.status = 'running' and exists (select "
                                     "from turns t where t.episode_id = e.id and t.weight_version = 1 "
-                                    "and t.turn_index between 1 and 3)"), 60,
+                                    "and t.turn_index between 1 and 3) and not exists (select from turns t "
+                                    "where t.episode_id = e.id and t.turn_index > 3)"), 60,
                  "episodes in the middle of their turns on version 1 (the abort cuts them)")
         _announce(url, 2, checkpoint(model_dir, tmp_path / "v2"), "abort")
         _until_state(url, "inf-a", 2, "serving")
