@@ -45,9 +45,14 @@ max-deliveries advisory), system-account requests, removing streams or their con
 DENY_SUBSCRIBE = ("$SYS.>",)
 
 
+WORK_CONSUMERS = "*"
+"""Every consumer of ``RL_WORK`` (the legacy ``env-workers`` and one ``env-workers-<token>`` per route: a permission
+wildcard covers a whole token only, so the env workers own every consumer name on the work stream)."""
+
+
 def _durables() -> dict[tuple[str, str], str]:
     """(stream, durable consumer) -> the one user that owns it (declares, pulls and acks)."""
-    return {(sj.WORK_STREAM, sj.WORK_CONSUMER): ENV_WORKER, (sj.EVENTS_STREAM, sj.RECORDER_CONSUMER): RECORDER,
+    return {(sj.WORK_STREAM, WORK_CONSUMERS): ENV_WORKER, (sj.EVENTS_STREAM, sj.RECORDER_CONSUMER): RECORDER,
             (sj.ADVISORY_STREAM, sj.ADVISORY_CONSUMER): RECORDER,
             (sj.DEAD_LETTER_STREAM, sj.DEAD_LETTER_CONSUMER): RECORDER}
 
@@ -136,14 +141,18 @@ def permission_table() -> dict[str, Permissions]:
     """Every service user and its permissions."""
     return {
         SCHEDULER: Permissions(
-            publish=(*_topology(update=True), sj.WORK_SUBJECT,
+            publish=(*_topology(update=True), sj.WORK_ROUTES,
+                     sj.WORK_SUBJECT,  # a previous release's scheduler during a rolling upgrade
                      *_kv_write(sj.CANCEL_BUCKET), *_kv_write(sj.POLICY_BUCKET),
-                     *_kv_read(sj.ENVS_BUCKET), *_kv_read(sj.POLICY_WORKERS_BUCKET), *_kv_read(sj.POLICY_ENV_BUCKET)),
+                     *_kv_read(sj.ENVS_BUCKET), *_kv_read(sj.POLICY_WORKERS_BUCKET), *_kv_read(sj.POLICY_ENV_BUCKET),
+                     *_kv_read(sj.ENV_WORKERS_BUCKET)),
             subscribe=(f"{inbox_prefix(SCHEDULER)}.>",),
         ),
         ENV_WORKER: Permissions(
-            publish=(*_topology(update=False), *_durable(sj.WORK_STREAM, sj.WORK_CONSUMER),
-                     sj.WORK_SUBJECT,  # hand-back of a work item of a newer contract major (bus.hand_back)
+            publish=(*_topology(update=False), *_durable(sj.WORK_STREAM, WORK_CONSUMERS),
+                     # a retry's work item (its env's route); hand-back of a work item of a newer contract major or
+                     # of an env this worker lacks (bus.hand_back, on the subject it came from: legacy or route)
+                     sj.WORK_ROUTES, sj.WORK_SUBJECT,
                      f"{API}.STREAM.MSG.GET.{sj.WORK_STREAM}",  # is the work item of a leased episode still queued
                      # after a NATS restart: turns whose reply was lost, read back from RL_EVENTS (a short-lived
                      # push consumer filtered to turn.generated, into its own inbox; inference_client.recover)
@@ -152,6 +161,7 @@ def permission_table() -> dict[str, Permissions]:
                      sj.INFER_ANY, sj.infer_worker_subject("*"), sj.INFER_CANCEL,
                      sj.infer_pool_subject("*"),  # an env's own generations addressed to a model pool (env_llm.py)
                      *_kv_write(sj.ENVS_BUCKET), *_kv_write(sj.POLICY_ENV_BUCKET), *_kv_write(sj.LEASE_BUCKET),
+                     *_kv_write(sj.ENV_WORKERS_BUCKET),
                      *_kv_read(sj.CANCEL_BUCKET), *_kv_read(sj.POLICY_BUCKET), *_kv_read(sj.POLICY_WORKERS_BUCKET)),
             subscribe=(f"{inbox_prefix(ENV_WORKER)}.>", sj.INFER_HEARTBEAT),
         ),
@@ -167,7 +177,7 @@ def permission_table() -> dict[str, Permissions]:
             publish=(*_topology(update=False), *_durable(sj.EVENTS_STREAM, sj.RECORDER_CONSUMER),
                      *_durable(sj.ADVISORY_STREAM, sj.ADVISORY_CONSUMER),
                      *_durable(sj.DEAD_LETTER_STREAM, sj.DEAD_LETTER_CONSUMER), *_events(RECORDER),
-                     f"{API}.CONSUMER.INFO.{sj.WORK_STREAM}.{sj.WORK_CONSUMER}",  # an advisory checked against it
+                     f"{API}.CONSUMER.INFO.{sj.WORK_STREAM}.{WORK_CONSUMERS}",  # an advisory checked against it
                      # the work item of an episode given up on: read it, then remove it from the queue
                      f"{API}.STREAM.MSG.GET.{sj.WORK_STREAM}", f"{API}.STREAM.MSG.DELETE.{sj.WORK_STREAM}"),
             subscribe=(f"{inbox_prefix(RECORDER)}.>",),

@@ -7,10 +7,60 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# --- work queue: one message per episode to run -------------------------------------------------
+# --- work queue: one message per episode to run, routed by the route of its env -----------------
 WORK_STREAM = "RL_WORK"
 WORK_SUBJECT = "rl.work.episodes"
+"""The previous release's one work subject (every env worker pulled it, whatever the env). Work is published on
+``work_subject(route)`` now; items a previous release queued here still run: every env worker also pulls the
+legacy consumer ``WORK_CONSUMER``, and one that lacks the item's env hands it back instead of failing it."""
 WORK_CONSUMER = "env-workers"
+"""The legacy consumer of ``WORK_SUBJECT`` (exactly that subject, so it overlaps no route's consumer: a work-queue
+stream refuses consumers with overlapping filters)."""
+WORK_ROUTES = f"{WORK_SUBJECT}.*"
+"""Every route's subject: ``rl.work.episodes.<token>``."""
+_ROUTE_SAFE = frozenset("-_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+
+
+def route_token(route: str) -> str:
+    """A route as one subject token and consumer-name suffix: every character but ``[-_a-zA-Z0-9]`` written
+    ``=XX`` (its UTF-8 bytes in hex; ``=`` itself too), so ``:``, ``.``, ``*``, ``>``, ``/`` and spaces never reach a
+    subject or a consumer name. Reversible (``route_of_token``)."""
+    if not route:
+        raise ValueError("an empty route")
+    return "".join(c if c in _ROUTE_SAFE else "".join(f"={b:02X}" for b in c.encode()) for c in route)
+
+
+def route_of_token(token: str) -> str:
+    """The route a ``route_token`` stands for."""
+    return env_name_of_key(token)
+
+
+def work_subject(route: str) -> str:
+    """The subject the work items of ``route`` are published on."""
+    return f"{WORK_SUBJECT}.{route_token(route)}"
+
+
+def work_consumer(route: str) -> str:
+    """The durable pull consumer of ``route`` (filter ``work_subject(route)``), shared by every env worker that has
+    the route."""
+    return f"{WORK_CONSUMER}-{route_token(route)}"
+
+
+def work_consumer_subject(consumer: str) -> str | None:
+    """The one subject the work consumer ``consumer`` delivers (its filter): ``WORK_SUBJECT`` for the legacy consumer,
+    ``work_subject(route)`` for a route's; None for a name that is neither (or not canonical)."""
+    if consumer == WORK_CONSUMER:
+        return WORK_SUBJECT
+    prefix = f"{WORK_CONSUMER}-"
+    if not consumer.startswith(prefix) or len(consumer) == len(prefix):
+        return None
+    token = consumer[len(prefix):]
+    try:
+        if route_token(route_of_token(token)) != token:  # e.g. lower-case hex or a stray "=": not one we made
+            return None
+    except ValueError:
+        return None
+    return f"{WORK_SUBJECT}.{token}"
 
 # --- event log: everything that happened, replayable ---------------------------------------------
 EVENTS_STREAM = "RL_EVENTS"
@@ -90,7 +140,8 @@ def infer_pool_subject(pool: str) -> str:
 
 # --- key-value buckets --------------------------------------------------------------------------
 ENVS_BUCKET = "rl_envs"
-"""Env name -> description, written by env workers at start; read by the scheduler."""
+"""Env name -> its advert (description, ``route``), written by env workers at start; read by the scheduler. A family
+of envs (``rg:<dataset>``) is one entry, ``<family>:*``, listing its ``members``."""
 CANCEL_BUCKET = "rl_cancelled"
 """Cancelled batch ids, written by the scheduler; watched by env workers."""
 POLICY_BUCKET = "rl_policy"
@@ -110,9 +161,17 @@ starts the episode and again every few seconds, deleted when it ends; a worker h
 whose lease is live does not run it (services/env_worker/leases.py)."""
 LEASE_TTL_S = 15.0
 """A lease not written again for this long expires: its holder died and the episode may run as a new attempt."""
-BUCKETS = (ENVS_BUCKET, CANCEL_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET, POLICY_ENV_BUCKET, LEASE_BUCKET)
+ENV_WORKERS_BUCKET = "rl_env_workers"
+"""Env worker id -> the routes and envs it serves now (``services/env_worker/routing.py``), written every
+``ENV_WORKER_TTL_S / 3``; the scheduler reads which routes have a live worker (a batch whose env has none shows
+its episodes in ``waiting_for_env``)."""
+ENV_WORKER_TTL_S = 15.0
+"""An env worker's entry not written again for this long expires: the worker is gone."""
+BUCKETS = (ENVS_BUCKET, CANCEL_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET, POLICY_ENV_BUCKET, LEASE_BUCKET,
+           ENV_WORKERS_BUCKET)
 """Every KV bucket the services declare."""
-BUCKET_TTL_S = {POLICY_WORKERS_BUCKET: 60.0, POLICY_ENV_BUCKET: 60.0, LEASE_BUCKET: LEASE_TTL_S}
+BUCKET_TTL_S = {POLICY_WORKERS_BUCKET: 60.0, POLICY_ENV_BUCKET: 60.0, LEASE_BUCKET: LEASE_TTL_S,
+                ENV_WORKERS_BUCKET: ENV_WORKER_TTL_S}
 """Buckets whose entries expire when not written again in time (a worker that stopped reporting drops out)."""
 BUCKET_HISTORY = {POLICY_BUCKET: 16}
 """Buckets that keep earlier values of a key (1 elsewhere): a worker that cannot load the current policy version
@@ -154,8 +213,19 @@ def env_name_of_key(key: str) -> str:
     return out.decode(errors="replace")
 
 # --- advisories ---------------------------------------------------------------------------------
-WORK_MAX_DELIVERIES_ADVISORY = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{WORK_STREAM}.{WORK_CONSUMER}"
-"""Published by NATS when an episode's work item ran out of deliveries (its env workers kept dying)."""
+WORK_MAX_DELIVERIES_PREFIX = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{WORK_STREAM}"
+
+
+def work_max_deliveries_advisory(consumer: str) -> str:
+    """The subject NATS publishes on when a work item of ``consumer`` ran out of deliveries."""
+    return f"{WORK_MAX_DELIVERIES_PREFIX}.{consumer}"
+
+
+WORK_MAX_DELIVERIES_ADVISORY = work_max_deliveries_advisory(WORK_CONSUMER)
+"""Published by NATS when an episode's work item on the legacy consumer ran out of deliveries (its env workers kept
+dying)."""
+WORK_MAX_DELIVERIES_ADVISORIES = f"{WORK_MAX_DELIVERIES_PREFIX}.*"
+"""The max-deliveries advisories of every work consumer (the legacy one and each route's)."""
 ADVISORY_STREAM = "RL_ADVISORIES"
 """Keeps those advisories durably, so an episode given up on is marked failed even if the recorder was down."""
 ADVISORY_CONSUMER = "recorder-advisories"
@@ -193,7 +263,7 @@ class ConsumerSpec:
 STREAMS = (
     StreamSpec(
         WORK_STREAM,
-        [WORK_SUBJECT],
+        [WORK_SUBJECT, WORK_ROUTES],
         "workqueue",
         max_age_s=7 * 24 * 3600,
         description="episodes waiting for an env worker",
@@ -214,7 +284,7 @@ STREAMS = (
     ),
     StreamSpec(
         ADVISORY_STREAM,
-        [WORK_MAX_DELIVERIES_ADVISORY],
+        [WORK_MAX_DELIVERIES_ADVISORIES],
         "limits",
         max_age_s=7 * 24 * 3600,
         description="max-deliveries advisories of the work queue (episodes whose workers kept dying)",

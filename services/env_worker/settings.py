@@ -177,6 +177,13 @@ class EnvWorkerSettings(ConsumerSettings):
     Sessions stay in the worker either way. Unused without ``agents``."""
 
     # --- env-aware routing (services/env_worker/worker.py) -----------------------------------------------
+    legacy_work_queue: bool = True
+    """Also pull the previous release's single work subject (``rl.work.episodes``, consumer ``env-workers``), so
+    items it queued before an upgrade still run; an item of an env this worker lacks is handed back for another.
+    Work is published per route (the env's family or name) now; turn this off once that queue is empty."""
+    route_hand_back_s: float = Field(2.0, gt=0)
+    """A work item of an env this worker lacks (from the legacy subject, or a family member it does not have) is
+    handed back to the queue after this long, without spending a delivery."""
 
     @field_validator("remote_envs")
     @classmethod

@@ -1,6 +1,7 @@
-"""The env worker's consume loop: pulls work items for free slots, runs each episode as a task under its episode
-lease (leases.py: a redelivery of an episode running elsewhere is held, not run again), holds new episodes back
-while a policy version is drained (policy_gate.py), drains on SIGTERM."""
+"""The env worker's consume loop: pulls work items for free slots from the consumers of its routes (routing.py: only
+episodes of envs it has reach it), runs each episode as a task under its episode lease (leases.py: a redelivery of
+an episode running elsewhere is held, not run again), holds new episodes back while a policy version is drained
+(policy_gate.py), drains on SIGTERM."""
 
 from __future__ import annotations
 
@@ -23,25 +24,32 @@ from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Leas
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.services.env_worker.policy_gate import EpisodeGate
 from rollout_ledger.services.env_worker.retries import RetryBudgets
+from rollout_ledger.services.env_worker.routing import (
+    FairSlots,
+    WorkerReport,
+    register_adverts,
+    report_forever,
+    routes_of,
+)
 from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.envs.base import EnvLLM
 from rollout_ledger.services.envs.registry import EnvRegistry
 from rollout_ledger.shared.errors import BusError, NewerContractError, SchemaError
-from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
+from rollout_ledger.shared.events import EpisodeRequested, decode_as
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import PolicyBus
 from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.kit.runtime import Health, Shutdown, sleep_or_shutdown
 from rollout_ledger.shared.subjects import (
-    ENVS_BUCKET,
     LEASE_TTL_S,
     WORK_CONSUMER,
     WORK_STREAM,
     WORK_SUBJECT,
-    env_key,
+    work_consumer,
+    work_subject,
 )
 
 log = get_logger(__name__)
@@ -52,6 +60,13 @@ _NAK_DELAY_S = 1.0
 
 _LEASE_POLL_S = 0.5
 """How often a held redelivery asks whether its episode's lease holder is still there."""
+
+_SUBSCRIBE_RETRY_S = 5.0
+"""Pause before trying again to declare a route's consumer the server refused (e.g. ``RL_WORK`` does not take the
+route subjects yet: during an upgrade only the scheduler's NATS user may update the stream)."""
+
+LEGACY = ""
+"""The key of the legacy consumer among a worker's pullers (no route is empty)."""
 
 
 @dataclass
@@ -67,10 +82,9 @@ class _Running:
 
 
 async def register_envs(js: JetStreamContext, envs: EnvRegistry, worker_id: str) -> None:
-    """Put one key per env into the ``rl_envs`` bucket (the scheduler's list of known envs)."""
-    kv = await js.key_value(ENVS_BUCKET)
-    for spec in envs.specs():
-        await kv.put(env_key(spec.name), dumps(spec.advert(registered_by=worker_id)))
+    """Advertise this worker's envs in the ``rl_envs`` bucket (the scheduler's list of known envs and their routes;
+    a family as one entry, routing.py)."""
+    await register_adverts(js, envs.specs(), worker_id)
 
 
 class EnvWorker:
@@ -112,7 +126,10 @@ class EnvWorker:
         metrics.cancelled_batches.set_function(lambda: len(self.cancels.cancelled))
         self.tasks: set[asyncio.Task[None]] = set()
         metrics.work_items_held.set_function(lambda: len(self.tasks))
-        self._slot_free = asyncio.Event()
+        self.routes = routes_of(envs.specs(), agents.names() if agents is not None else ())
+        """Route -> the envs of this worker routed by it: the routes whose consumers it pulls."""
+        self._env_names = {e for names in self.routes.values() for e in names}
+        self.slots = FairSlots(settings.concurrency, settings.fetch_batch, lambda: len(self.tasks))
         self.leases = EpisodeLeases(self.js, settings.worker_id, uuid.uuid4().hex[:12])
         self.running: dict[str, _Running] = {}
         """Episode id -> the episode this worker runs now."""
@@ -127,11 +144,28 @@ class EnvWorker:
                           budgets=RetryBudgets(self.settings.retry_budgets()),
                           episode_timeout_s=self.settings.episode_timeout_s, env_llm=self.env_llm)
 
+    def _runs(self, env: str) -> bool:
+        """Whether this worker has the env (a built-in, library, remote or user env, or an agent function)."""
+        return env in self._env_names
+
+    def _route_of(self, env: str) -> str:
+        """The route of one of this worker's envs (an agent function's is its name)."""
+        return next((route for route, names in self.routes.items() if env in names), env)
+
+    async def _subscribe(self, route: str) -> JetStreamContext.PullSubscription:
+        """Declare the consumer of ``route`` (``LEGACY``: the previous release's subject) and bind a pull to it."""
+        s = self.settings
+        legacy = route == LEGACY
+        spec = bus.work_consumer_spec(s.ack_wait_s, s.max_deliver, s.max_ack_pending, None if legacy else route)
+        await bus.ensure_consumer(self.js, spec)
+        return await self.js.pull_subscribe(WORK_SUBJECT if legacy else work_subject(route),
+                                            durable=WORK_CONSUMER if legacy else work_consumer(route),
+                                            stream=WORK_STREAM)
+
     async def run(self, shutdown: Shutdown) -> None:
         """Set up, take work until ``shutdown``, then drain."""
         s = self.settings
         await bus.ensure_topology(self.js, s.stream_replicas)
-        await bus.ensure_consumer(self.js, bus.work_consumer_spec(s.ack_wait_s, s.max_deliver, s.max_ack_pending))
         await self.leases.start()
         await register_envs(self.js, self.envs, s.worker_id)
         if self.agents is not None:
@@ -142,39 +176,57 @@ class EnvWorker:
         if not await self.client.wait_for_workers(s.inference_discovery_s):
             log.warning("env_worker.no_inference_workers", waited_s=s.inference_discovery_s)
         await self.gate.start()  # after the heartbeats: which inference workers are live
-        psub = await self.js.pull_subscribe(WORK_SUBJECT, durable=WORK_CONSUMER, stream=WORK_STREAM)
         deps = self._deps()
+        report = WorkerReport(s.worker_id, list(self.routes), sorted({e for es in self.routes.values() for e in es}),
+                              s.legacy_work_queue)
+        reporter = asyncio.create_task(report_forever(self.js, report, self._stopping))
         self.health.checks["nats"] = lambda: self.nc.is_connected
         self.health.ready = True
-        log.info("env_worker.ready", envs=self.envs.names(), concurrency=s.concurrency)
+        log.info("env_worker.ready", envs=self.envs.names(), routes=list(self.routes), concurrency=s.concurrency)
+        pullers = [*self.routes, *([LEGACY] if s.legacy_work_queue else [])]
+        subs: dict[str, JetStreamContext.PullSubscription] = {}
         try:
-            await self._consume(psub, deps, shutdown)
+            async with asyncio.TaskGroup() as group:
+                for route in pullers:
+                    group.create_task(self._pull(route, subs, deps, shutdown))
         finally:
             self._stopping.set()
             self.health.draining = True
             await self._drain()
+            for psub in subs.values():
+                with contextlib.suppress(Exception):
+                    await psub.unsubscribe()
             with contextlib.suppress(Exception):
-                await psub.unsubscribe()
+                await reporter
             await self.gate.stop()
             await self.client.stop()
             await self.publisher.stop()
             await self.cancels.stop()
 
-    async def _consume(self, psub: JetStreamContext.PullSubscription, deps: DriverDeps, shutdown: Shutdown) -> None:
+    async def _pull(self, route: str, subs: dict[str, JetStreamContext.PullSubscription], deps: DriverDeps,
+                    shutdown: Shutdown) -> None:
+        """Pull the work items of one route (or the legacy subject) while slots are free, until ``shutdown``."""
         s = self.settings
+        while not shutdown.requested and route not in subs:
+            try:
+                subs[route] = await self._subscribe(route)
+            except Exception as exc:  # refused or NATS reconnecting (nats-py raises several types): again later
+                log.warning("work.subscribe_failed", route=route or "(legacy)", error=f"{type(exc).__name__}: {exc}",
+                            retry_s=_SUBSCRIBE_RETRY_S)
+                await sleep_or_shutdown(shutdown, _SUBSCRIBE_RETRY_S)
         while not shutdown.requested:
             if not self.gate.is_open:  # a policy version is being drained: take no new work item
                 await _first(self.gate.wait_open(self._stopping), shutdown.wait())
                 continue
-            free = s.concurrency - len(self.tasks)
-            if free <= 0:
-                self._slot_free.clear()
-                await _first(self._slot_free.wait(), shutdown.wait())
+            granted = self.slots.grant(route)
+            if granted <= 0:
+                await _first(self.slots.wait(), shutdown.wait())
                 continue
             try:
-                msgs = await bus.fetch(psub, min(free, s.fetch_batch), timeout=s.fetch_timeout_s)
+                msgs = await bus.fetch(subs[route], granted, timeout=s.fetch_timeout_s)
             except Exception as exc:  # disconnected or reconnecting: nats-py raises several types; retry
-                log.warning("work.fetch_failed", error=f"{type(exc).__name__}: {exc}")
+                self.slots.settle(route, granted, 0)
+                log.warning("work.fetch_failed", route=route or "(legacy)", error=f"{type(exc).__name__}: {exc}")
                 await sleep_or_shutdown(shutdown, 0.5)
                 continue
             for msg in msgs:
@@ -185,10 +237,11 @@ class EnvWorker:
                 task = asyncio.create_task(self._handle(msg, deps))
                 self.tasks.add(task)
                 task.add_done_callback(self._task_done)
+            self.slots.settle(route, granted, len(msgs))
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
-        self._slot_free.set()
+        self.slots.notify()
 
     async def _handle(self, msg: Msg, deps: DriverDeps) -> None:
         try:
@@ -206,6 +259,16 @@ class EnvWorker:
             reason = f"undecodable work item: {exc}" if isinstance(exc, SchemaError) else \
                 f"undecodable work item: {type(exc).__name__}: {exc}"
             await reject_work_item(self.js, msg, reason, self.settings.publish_timeout_s)
+            return
+        if not self._runs(item.env):
+            # Not this worker's env: an item of the previous release's single subject, or a family member this
+            # worker lacks. Another worker's: hand it back without spending a delivery (it waits, never fails).
+            log.info("work_item.not_my_env", env=item.env, episode_id=item.episode_id, subject=msg.subject,
+                     delay_s=self.settings.route_hand_back_s)
+            try:
+                await bus.hand_back(self.js, msg, self.settings.route_hand_back_s, self.settings.publish_timeout_s)
+            except BusError as bus_exc:
+                log.warning("work_item.hand_back_failed", error=str(bus_exc))
             return
         await self._run_item(msg, item, deps)
 
@@ -301,7 +364,8 @@ class EnvWorker:
             if outcome.retry is not None:
                 # The next attempt's work item goes on the queue before this one is acked (retries.py); if
                 # the publish fails, the handed-back item's redelivery runs that attempt instead.
-                await bus.publish_event(self.js, outcome.retry, timeout=self.settings.publish_timeout_s)
+                await bus.publish_event(self.js, outcome.retry, timeout=self.settings.publish_timeout_s,
+                                        route=self._route_of(item.env))
                 self.metrics.attempts_retried.labels(failure_class=str(outcome.failure_class)).inc()
             await run.msgs[-1].ack_sync(timeout=self.settings.publish_timeout_s)
             for m in run.msgs[:-1]:

@@ -37,9 +37,9 @@ from rollout_ledger.shared.subjects import (
     DEAD_TRUNCATED_HEADER,
     WORK_CONSUMER,
     WORK_DEAD_LETTER_SUBJECT,
-    WORK_MAX_DELIVERIES_ADVISORY,
     WORK_STREAM,
-    WORK_SUBJECT,
+    work_consumer_subject,
+    work_max_deliveries_advisory,
 )
 
 from .metrics import RecorderMetrics
@@ -235,10 +235,11 @@ async def settle_with_retry(settings: RecorderSettings, shutdown: Shutdown, msgs
 class AdvisoryConsumer:
     """Turns max-deliveries advisories of the work queue into dead letters and ``EpisodeFailed(infra)`` events.
 
-    An advisory's body is not trusted: the stream is always ``RL_WORK`` and the consumer ``env-workers`` (an
+    An advisory's body is not trusted: the stream is always ``RL_WORK`` and the consumer a work consumer (the legacy
+    ``env-workers`` or a route's ``env-workers-<token>``, in canonical form), named by the advisory's subject too (an
     advisory naming anything else is dead-lettered, and nothing is read or deleted), and its sequence must be a
-    work item the work consumer delivered and never acked (above its ack floor, at most its delivered sequence),
-    stored on the work subject, after as many deliveries as the consumer allows. Only then is the item
+    work item that consumer delivered and never acked (above its ack floor, at most its delivered sequence),
+    stored on that consumer's one subject, after as many deliveries as the consumer allows. Only then is the item
     dead-lettered, its episode failed and the item deleted. (Who may publish advisories at all is NATS's part:
     no service user may publish on ``$JS.EVENT.>``.)
     """
@@ -271,10 +272,12 @@ class AdvisoryConsumer:
         log.error("recorder.advisory_refused", reason=reason)
         await msg.ack()
 
-    async def _unacked_delivery(self, seq: int, deliveries: int) -> str | None:
-        """Why work item ``seq`` is not one the work consumer gave up on (None when it is)."""
+    async def _unacked_delivery(self, consumer: str, seq: int, deliveries: int) -> str | None:
+        """Why work item ``seq`` is not one the work consumer ``consumer`` gave up on (None when it is)."""
         try:
-            info = await self.js.consumer_info(WORK_STREAM, WORK_CONSUMER)
+            info = await self.js.consumer_info(WORK_STREAM, consumer)
+        except NotFoundError:
+            return f"there is no work consumer {consumer!r}"
         except Exception as exc:
             raise BusError(f"cannot read the work consumer's state: {exc}") from exc
         delivered = int(info.delivered.stream_seq or 0) if info.delivered else 0
@@ -300,10 +303,13 @@ class AdvisoryConsumer:
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as exc:
             await self._refuse(msg, f"unreadable advisory: {type(exc).__name__}: {exc}")
             return
-        if msg.subject != WORK_MAX_DELIVERIES_ADVISORY or named != (WORK_STREAM, WORK_CONSUMER):
+        consumer = named[1] if isinstance(named[1], str) else ""
+        work_subject = work_consumer_subject(consumer)
+        if (named[0] != WORK_STREAM or work_subject is None
+                or msg.subject != work_max_deliveries_advisory(consumer)):
             await self._refuse(msg, f"untrusted advisory: names stream {named[0]!r} consumer {named[1]!r} on "
-                                    f"{msg.subject}; only {WORK_STREAM}/{WORK_CONSUMER} max-deliveries advisories "
-                                    "are acted on")
+                                    f"{msg.subject}; only max-deliveries advisories of {WORK_STREAM}'s work consumers "
+                                    f"({WORK_CONSUMER} and {WORK_CONSUMER}-<route>) are acted on")
             return
         if not 1 <= seq < 2**63 or not 0 <= deliveries <= _MAX_DELIVERIES:
             await self._refuse(msg, f"untrusted advisory: stream_seq {seq} or deliveries {deliveries} out of range")
@@ -317,7 +323,7 @@ class AdvisoryConsumer:
         if stored is not None:
             payload = stored
         else:
-            why = await self._unacked_delivery(seq, deliveries)
+            why = await self._unacked_delivery(consumer, seq, deliveries)
             if why is not None:
                 await self._refuse(msg, f"untrusted advisory: {why}")
                 return
@@ -329,9 +335,9 @@ class AdvisoryConsumer:
             except Exception as exc:
                 raise BusError(f"cannot read work item {stream}#{seq}: {exc}") from exc
             payload, subject = bytes(raw.data or b""), str(raw.subject or "")
-            if subject != WORK_SUBJECT:
+            if subject != work_subject:
                 await self._refuse(msg, f"untrusted advisory: message #{seq} of {stream} is on {subject}, "
-                                        f"not {WORK_SUBJECT}")
+                                        f"not {work_subject} (the subject of {consumer})")
                 return
             headers = dict(raw.headers) if raw.headers else None
             async with self.store.transaction() as tx:

@@ -21,7 +21,7 @@ from rollout_ledger.shared.subjects import (
     DEAD_LETTER_SUBJECT_PREFIX,
     EVENTS_STREAM,
     RECORDER_CONSUMER,
-    WORK_MAX_DELIVERIES_ADVISORY,
+    WORK_MAX_DELIVERIES_ADVISORIES,
     ConsumerSpec,
 )
 
@@ -38,7 +38,7 @@ def advisory_consumer_spec(ack_wait_s: float) -> ConsumerSpec:
     return ConsumerSpec(
         stream=ADVISORY_STREAM,
         durable=ADVISORY_CONSUMER,
-        filter_subject=WORK_MAX_DELIVERIES_ADVISORY,
+        filter_subject=WORK_MAX_DELIVERIES_ADVISORIES,
         ack_wait_s=ack_wait_s,
         max_deliver=-1,
         max_ack_pending=1000,

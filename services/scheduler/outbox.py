@@ -3,20 +3,22 @@
 The batch and its episodes are committed before anything is published, so a crash between commit and publish
 loses nothing: episodes still ``requested`` with ``published_at`` NULL are republished by the outbox loop.
 Work items carry a deterministic ``Nats-Msg-Id``, so a republish within the stream's duplicate window is
-dropped by JetStream.
+dropped by JetStream. Each goes to the subject of its env's route (``envs.RouteBook``), so only env workers that have
+the env get it; with no such worker it waits on the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nats.js import api as js_api
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rollout_ledger.services.scheduler import store
+from rollout_ledger.services.scheduler.envs import RouteBook
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode, work_item
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
@@ -24,7 +26,7 @@ from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.events import EpisodeRequested, encode
 from rollout_ledger.shared.kit.bus import JetStreamContext, msg_id_headers
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.subjects import WORK_SUBJECT
+from rollout_ledger.shared.subjects import work_subject
 
 log = get_logger(__name__)
 
@@ -39,9 +41,10 @@ class PublishResult:
 
 
 async def publish_work_items(
-    js: JetStreamContext, items: Sequence[EpisodeRequested], timeout_s: float
+    js: JetStreamContext, items: Sequence[EpisodeRequested], timeout_s: float, routes: Mapping[str, str]
 ) -> PublishResult:
-    """Publish work items with ``publish_async`` and wait for their acks together (at most ``timeout_s``)."""
+    """Publish work items with ``publish_async`` to their env's route (``routes``: env -> route) and wait for their
+    acks together (at most ``timeout_s``)."""
     if not items:
         return PublishResult([], 0)
     futures: list[tuple[str, asyncio.Future[js_api.PubAck]]] = []
@@ -49,7 +52,8 @@ async def publish_work_items(
     for ev in items:
         try:
             fut = await js.publish_async(
-                WORK_SUBJECT, encode(ev), wait_stall=timeout_s, headers=msg_id_headers(ev.event_id)
+                work_subject(routes.get(ev.env) or ev.env), encode(ev), wait_stall=timeout_s,
+                headers=msg_id_headers(ev.event_id)
             )
         except Exception as exc:  # nats-py raises unrelated types (closed connection, stalled, ...)
             error = f"{type(exc).__name__}: {exc}"
@@ -83,14 +87,22 @@ class Publisher:
         self.settings = settings
         self.metrics = metrics
         self.produced_by = f"scheduler/{settings.worker_id}"
+        self.routes = RouteBook(js)
+        """The route of each env's work items (from the env workers' adverts), and which env workers are live."""
 
     async def publish(self, planned: Sequence[PlannedEpisode], spec: BatchRunSpec, source: str) -> int:
         """Publish the episodes' work items; returns how many were acked (the rest are left to the outbox)."""
         published = 0
         chunk = self.settings.publish_chunk
+        try:
+            routes = {spec.env: await self.routes.route(spec.env)}
+        except BusError as exc:  # nothing published: the outbox publishes them once the adverts can be read
+            self.metrics.publish_failures.inc(len(planned))
+            log.warning("publish.no_route", env=spec.env, episodes=len(planned), error=str(exc))
+            return 0
         for start in range(0, len(planned), chunk):
             items = [work_item(ep, spec, self.produced_by) for ep in planned[start : start + chunk]]
-            result = await publish_work_items(self.js, items, self.settings.publish_timeout_s)
+            result = await publish_work_items(self.js, items, self.settings.publish_timeout_s, routes)
             if result.acked:
                 try:
                     with store.store_errors("stamp published_at"):
@@ -126,7 +138,8 @@ class Publisher:
                 if not rows:
                     return 0
                 items = [work_item(ep, spec, self.produced_by) for ep, spec in rows]
-                result = await publish_work_items(self.js, items, self.settings.publish_timeout_s)
+                routes = await self.routes.routes(item.env for item in items)
+                result = await publish_work_items(self.js, items, self.settings.publish_timeout_s, routes)
                 await store.mark_published(conn, result.acked)
         self.metrics.episodes_published.labels("outbox").inc(len(result.acked))
         self.metrics.episodes_republished.inc(len(result.acked))

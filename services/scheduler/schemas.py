@@ -163,6 +163,9 @@ class BatchPublic(BatchBase):
     """Every episode is in a terminal status."""
     admission: AdmissionPublic | None = None
     """The staleness bound's state when the batch has one (``counts.waiting``: episodes it holds)."""
+    waiting_for_env: dict[str, int] = Field(default_factory=dict)
+    """``{env: n}`` when no live env worker has the batch's env: its ``n`` episodes not started yet wait on the work
+    queue (they do not fail) until a worker with the env starts. Empty otherwise."""
     created_at: datetime
     cancelled_at: datetime | None
 
@@ -312,6 +315,13 @@ class EnvPublic(BaseModel):
     multi_turn: bool = False
     example_task: dict[str, Any] = Field(default_factory=dict)
     registered_by: str = ""
+    route: str = ""
+    """What its work items are routed by (its family or its own name): only env workers with the route get them.
+    Empty in an advert of a previous release (routed by the name)."""
+    family: str = ""
+    """Set on a family's one entry (``name`` ``<family>:*``): submit a batch with one of its ``members``."""
+    members: list[str] = Field(default_factory=list)
+    """The envs of a family (``rg:leg_counting``, ...); empty for a single env."""
 
 
 class EnvListPublic(BaseModel):

@@ -40,6 +40,8 @@ from rollout_ledger.shared.subjects import (
     ConsumerSpec,
     StreamSpec,
     event_subject,
+    work_consumer,
+    work_subject,
 )
 
 log = get_logger(__name__)
@@ -131,16 +133,23 @@ def stream_config(spec: StreamSpec, replicas: int = 1) -> js_api.StreamConfig:
     )
 
 
-def work_consumer_spec(ack_wait_s: float, max_deliver: int, max_ack_pending: int) -> ConsumerSpec:
-    """The env workers' consumer: redelivered after ``ack_wait_s`` without progress, ``max_deliver`` tries."""
+def work_consumer_spec(ack_wait_s: float, max_deliver: int, max_ack_pending: int,
+                       route: str | None = None) -> ConsumerSpec:
+    """The consumer of one route's work items (``route`` None: the legacy consumer of the previous release's single
+    subject), shared by every env worker with the route: redelivered after ``ack_wait_s`` without progress,
+    ``max_deliver`` tries."""
+    if route is None:
+        durable, subject, what = WORK_CONSUMER, WORK_SUBJECT, "items a previous release queued on the single subject"
+    else:
+        durable, subject, what = work_consumer(route), work_subject(route), f"route {route!r}"
     return ConsumerSpec(
         stream=WORK_STREAM,
-        durable=WORK_CONSUMER,
-        filter_subject=WORK_SUBJECT,
+        durable=durable,
+        filter_subject=subject,
         ack_wait_s=ack_wait_s,
         max_deliver=max_deliver,
         max_ack_pending=max_ack_pending,
-        description="env workers pull episodes; ack after the terminal event is stored on the bus",
+        description=f"env workers pull episodes of {what}; ack after the terminal event is stored on the bus",
     )
 
 
@@ -245,10 +254,16 @@ async def publish_event(
     event: EventBase,
     *,
     timeout: float = 10.0,  # noqa: ASYNC109 - nats-py's per-request publish timeout
+    route: str | None = None,
 ) -> js_api.PubAck:
-    """Publish one event to its subject with its ``event_id`` as ``Nats-Msg-Id``; await the stream's ack."""
+    """Publish one event to its subject with its ``event_id`` as ``Nats-Msg-Id``; await the stream's ack. A work
+    item (``episode.requested``) goes to its env's ``route`` (``work_subject``); without one, to the legacy
+    subject every env worker pulls."""
     event_type = str(event.type)
-    subject = WORK_SUBJECT if event_type == "episode.requested" else event_subject(event_type)
+    if event_type == "episode.requested":
+        subject = work_subject(route) if route is not None else WORK_SUBJECT
+    else:
+        subject = event_subject(event_type)
     try:
         return await js.publish(
             subject, encode(event), timeout=timeout, headers=msg_id_headers(str(event.event_id))
@@ -291,7 +306,8 @@ async def keep_in_progress(msgs: Msg | Sequence[Msg], interval_s: float) -> Asyn
 
 
 async def hand_back(js: JetStreamContext, msg: Msg, delay_s: float, timeout_s: float = 10.0) -> None:
-    """Put a work item this worker cannot read (a newer contract major) back on the queue for a newer worker,
+    """Put a work item this worker cannot run (a newer contract major, or an env it lacks: an item of the legacy
+    subject or of a family member it does not have) back on the queue for another worker, on the same subject,
     without spending its deliveries: after ``delay_s`` (reporting progress meanwhile, so it is not redelivered
     here), republish the same bytes as a new message and ack this one. A nak would count a delivery, and after
     ``max_deliver`` of them the episode would fail during a rolling upgrade. If the republish fails the item is

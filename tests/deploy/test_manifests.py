@@ -12,9 +12,10 @@ import yaml
 from sqlalchemy.engine import make_url
 
 from rollout_ledger.services import catalog
+from rollout_ledger.services.envs.builtins import builtin_registry
 from rollout_ledger.shared import deploy
 from rollout_ledger.shared.kit.settings import BaseServiceSettings
-from rollout_ledger.shared.subjects import STREAMS, WORK_CONSUMER, WORK_STREAM
+from rollout_ledger.shared.subjects import STREAMS, WORK_CONSUMER, WORK_STREAM, work_consumer
 from tests.deploy.manifests import (
     K8S,
     OVERLAYS,
@@ -275,11 +276,14 @@ def test_env_workers_scale_on_the_work_queue(dev: Rendered, prod: Rendered) -> N
     scaled = prod.get("ScaledObject", "env-worker")
     assert scaled["spec"]["scaleTargetRef"]["name"] == "env-worker"
     assert scaled["spec"]["fallback"]["replicas"] >= 1
-    (lag,) = [t for t in scaled["spec"]["triggers"] if t["type"] == "nats-jetstream"]
-    meta = lag["metadata"]
-    assert (meta["stream"], meta["consumer"]) == (WORK_STREAM, WORK_CONSUMER)
-    assert meta["natsServerMonitoringEndpoint"].endswith(f":{deploy.NATS_MONITOR_PORT}")
-    assert meta["natsServerMonitoringEndpoint"].split(".")[0] == "nats-headless"
+    lags = [t["metadata"] for t in scaled["spec"]["triggers"] if t["type"] == "nats-jetstream"]
+    # one trigger per route consumer of the built-in envs the base Deployment runs, and the legacy consumer
+    expected = {WORK_CONSUMER, *(work_consumer(spec.route) for spec in builtin_registry().specs())}
+    assert {meta["consumer"] for meta in lags} == expected
+    for meta in lags:
+        assert meta["stream"] == WORK_STREAM
+        assert meta["natsServerMonitoringEndpoint"].endswith(f":{deploy.NATS_MONITOR_PORT}")
+        assert meta["natsServerMonitoringEndpoint"].split(".")[0] == "nats-headless"
 
 
 # --- tiers ---------------------------------------------------------------------------------------------------

@@ -135,9 +135,11 @@ async def test_env_failures(stack: Stack, nc: bus.NATS, policy: Policy) -> None:
         "episode.started", "turn.generated", "step.completed", "turn.generated", "episode.failed"]
     reset_failed = await terminal_of(js, bad_task.episode_id)
     assert reset_failed.failure_class == "env" and "TaskError" in reset_failed.reason and reset_failed.seq == 1
-    unknown_failed = await terminal_of(js, unknown.episode_id)
-    assert unknown_failed.failure_class == "env" and "no-such-env" in unknown_failed.reason
-    assert await work_queue_empty(js)
+    # an env this worker lacks does not fail: the item is handed back (no delivery spent) and waits for a worker
+    # that has it (tests/integration/test_env_routing.py)
+    await asyncio.sleep(0.5)
+    assert not [e for e in await episode_events(js, unknown.episode_id) if e.type in TERMINAL]
+    assert (await js.stream_info(WORK_STREAM)).state.messages == 1
 
 
 async def test_no_inference_worker_fails_after_budget(stack: Stack, nc: bus.NATS) -> None:

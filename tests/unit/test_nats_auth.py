@@ -63,6 +63,10 @@ def test_only_the_scheduler_cancels_announces_and_enqueues() -> None:
     assert publishers(f"$KV.{subjects.POLICY_BUCKET}.{subjects.POLICY_KEY}") == {SCHEDULER}
     # env workers hand a work item of a newer contract major back to the queue; nobody else writes work
     assert publishers(subjects.WORK_SUBJECT) == {SCHEDULER, ENV_WORKER}
+    # work per route: the scheduler enqueues, env workers publish retries and hand items back
+    for route in ("arithmetic", "remote:echo", "rg"):
+        assert publishers(subjects.work_subject(route)) == {SCHEDULER, ENV_WORKER}, route
+    assert publishers(f"{subjects.work_subject('rg')}.x") == set()
     # only the scheduler changes a stream's configuration (every service may create a missing one)
     for stream in (subjects.EVENTS_STREAM, subjects.WORK_STREAM, "KV_rl_policy"):
         assert publishers(f"{API}.STREAM.UPDATE.{stream}") == {SCHEDULER}
@@ -95,6 +99,7 @@ def test_replies_reach_only_their_requester() -> None:
         assert {u for u in USERS if may_subscribe(u, inbox)} == {user}
         assert not may_subscribe(user, "_INBOX.abc.1"), "the default inbox prefix is nobody's"
     assert not any(may_subscribe(u, subjects.WORK_SUBJECT) for u in USERS), "work is pulled, never subscribed"
+    assert not any(may_subscribe(u, subjects.work_subject("arithmetic")) for u in USERS)
     assert not any(may_subscribe(u, "$SYS.ACCOUNT.x.CONNECT") for u in USERS)
 
 
@@ -111,13 +116,23 @@ def test_every_stream_is_written_and_consumed_by_someone() -> None:
         assert {u for u in USERS if may_publish(u, pull)} == {user}, spec.name
         assert {u for u in USERS if may_publish(u, f"$JS.ACK.{spec.name}.{durable}.1.2.3.4.5")} == {user}
     assert publishers(subjects.WORK_MAX_DELIVERIES_ADVISORY) == set()  # RL_ADVISORIES: written by NATS only
+    assert publishers(subjects.work_max_deliveries_advisory(subjects.work_consumer("rg"))) == set()
     assert publishers(subjects.WORK_DEAD_LETTER_SUBJECT) == {ENV_WORKER}
+    for route in ("arithmetic", "remote:echo"):  # every route's consumer: the env workers' only
+        durable = subjects.work_consumer(route)
+        for verb in ("MSG.NEXT", "DURABLE.CREATE", "CREATE", "INFO"):
+            assert may_publish(ENV_WORKER, f"{API}.CONSUMER.{verb}.{subjects.WORK_STREAM}.{durable}"), verb
+        assert {u for u in USERS if may_publish(u, f"{API}.CONSUMER.MSG.NEXT.{subjects.WORK_STREAM}.{durable}")} \
+            == {ENV_WORKER}
+        assert {u for u in USERS if may_publish(u, f"$JS.ACK.{subjects.WORK_STREAM}.{durable}.1.2.3.4.5")} \
+            == {ENV_WORKER}
 
 
 def test_every_bucket_has_its_writers_only() -> None:
     writers = {subjects.ENVS_BUCKET: {ENV_WORKER}, subjects.CANCEL_BUCKET: {SCHEDULER},
                subjects.POLICY_BUCKET: {SCHEDULER}, subjects.POLICY_WORKERS_BUCKET: {INFERENCE_WORKER},
-               subjects.POLICY_ENV_BUCKET: {ENV_WORKER}, subjects.LEASE_BUCKET: {ENV_WORKER}}
+               subjects.POLICY_ENV_BUCKET: {ENV_WORKER}, subjects.LEASE_BUCKET: {ENV_WORKER},
+               subjects.ENV_WORKERS_BUCKET: {ENV_WORKER}}
     assert set(writers) == set(subjects.BUCKETS), "a new bucket needs its writers here and in shared/nats_auth.py"
     for bucket, users in writers.items():
         assert publishers(f"$KV.{bucket}.some-key") == users, bucket
@@ -135,6 +150,7 @@ def test_only_its_owner_touches_a_durable_consumer(template: str) -> None:
     """Even a wildcard grant (a short-lived consumer of any name) cannot re-filter, pull from or ack another
     service's durable consumer: create is create-or-update."""
     owners = {(subjects.WORK_STREAM, subjects.WORK_CONSUMER): ENV_WORKER,
+              (subjects.WORK_STREAM, subjects.work_consumer("remote:echo")): ENV_WORKER,
               (subjects.EVENTS_STREAM, subjects.RECORDER_CONSUMER): RECORDER,
               (subjects.ADVISORY_STREAM, subjects.ADVISORY_CONSUMER): RECORDER,
               (subjects.DEAD_LETTER_STREAM, subjects.DEAD_LETTER_CONSUMER): RECORDER}
@@ -143,6 +159,7 @@ def test_only_its_owner_touches_a_durable_consumer(template: str) -> None:
         assert publishers(subject) <= {owner}, subject
     # the recorder may still read the work consumer's state (to check an advisory against it)
     assert may_publish(RECORDER, f"{API}.CONSUMER.INFO.{subjects.WORK_STREAM}.{subjects.WORK_CONSUMER}")
+    assert may_publish(RECORDER, f"{API}.CONSUMER.INFO.{subjects.WORK_STREAM}.{subjects.work_consumer('rg')}")
 
 
 def test_the_recorder_removes_only_work_items() -> None:

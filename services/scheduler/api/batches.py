@@ -215,7 +215,8 @@ async def _replay(res: Resources, existing: dict[str, Any], rhash: str, response
 
 @router.get("/{batch_id}", dependencies=[ReadDep], responses={**READ_RESPONSES, 404: {"model": ErrorPublic}})
 async def get_batch(batch_id: BatchIdPath, res: ResourcesDep) -> BatchPublic:
-    """Episodes per status, trajectories stored, mean reward of finished episodes, and whether all are done."""
+    """Episodes per status, trajectories stored, mean reward of finished episodes, whether all are done, and the
+    episodes that wait because no live env worker has the batch's env (``waiting_for_env``)."""
     with store.store_errors("read batch"):
         async with res.engine.connect() as conn:
             batch = await store.get_batch(conn, batch_id)
@@ -226,6 +227,11 @@ async def get_batch(batch_id: BatchIdPath, res: ResourcesDep) -> BatchPublic:
             held = None
             if batch["max_staleness"] is not None:
                 held = await admission.standing(conn, batch, await res.admission.versions())
+    waiting = counts[EpisodeStatus.REQUESTED]
+    if waiting and batch["cancelled_at"] is None and not envs.served(await res.publisher.routes.live(), batch["env"]):
+        waiting_for_env = {batch["env"]: waiting}
+    else:
+        waiting_for_env = {}
     return BatchPublic(
         batch_id=batch_id,
         env=batch["env"],
@@ -244,6 +250,7 @@ async def get_batch(batch_id: BatchIdPath, res: ResourcesDep) -> BatchPublic:
         max_staleness=batch["max_staleness"],
         episodes_per_version=batch["episodes_per_version"],
         admission=_admission_public(held),
+        waiting_for_env=waiting_for_env,
         created_at=batch["created_at"],
         cancelled_at=batch["cancelled_at"],
     )

@@ -1,0 +1,126 @@
+"""Env-aware routing with real processes (fake engine) on real NATS + Postgres: env workers with disjoint env sets
+run only their own envs' episodes (none fails with "unknown env"), a batch whose env has no live worker waits
+(``waiting_for_env`` in its status, nothing failed) and completes once a worker with the env starts, and items a
+previous release queued on the single work subject still run, on a worker that has their env.
+The pure parts (tokens, adverts, families, the fair slot split) are in tests/unit/test_routing.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.subjects import ENV_WORKERS_BUCKET, ENVS_BUCKET, WORK_STREAM, work_consumer
+from tests.helpers import AUTH, Sql, until
+from tests.integration.test_env_worker import work_item
+from tests.integration.test_recorder import seed_episodes
+
+FINISHED = {"completed", "truncated"}
+
+
+async def _submit(http: httpx.AsyncClient, env: str, tasks: list[dict[str, Any]], **body: Any) -> str:
+    resp = await http.post("/v1/batches", json={"env": env, "tasks": tasks, "max_turns": 4,
+                                                "sampling": {"max_tokens": 16}, **body})
+    assert resp.status_code == 201, resp.text
+    return str(resp.json()["batch_id"])
+
+
+async def _status(http: httpx.AsyncClient, batch_id: str) -> dict[str, Any]:
+    resp = await http.get(f"/v1/batches/{batch_id}")
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+async def _done(http: httpx.AsyncClient, batch_id: str, timeout_s: float = 40) -> dict[str, Any]:
+    async def done() -> dict[str, Any] | None:
+        info = await _status(http, batch_id)
+        return info if info["done"] else None
+    return dict(await until(done, timeout_s, f"batch {batch_id} to finish"))
+
+
+def _workers(sql: Sql, batch_id: str) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for row in sql.rows("select status, worker_id from episodes where batch_id = :b", b=batch_id):
+        out.setdefault(str(row["status"]), set()).add(str(row["worker_id"]))
+    return out
+
+
+async def test_episodes_go_only_to_workers_that_have_their_env(stack: Stack, nc: bus.NATS,
+                                                                database_url: str) -> None:
+    start = asyncio.to_thread
+    await start(stack.start, "inference-worker", ROLLOUT_ENGINE="fake")
+    fast = {"ROLLOUT_ROUTE_HAND_BACK_S": "0.2", "ROLLOUT_INFERENCE_DISCOVERY_S": "0.2"}
+    await asyncio.gather(start(stack.start, "env-worker", "env-arith", ROLLOUT_ENVS="arithmetic", **fast),
+                         start(stack.start, "env-worker", "env-guess", ROLLOUT_ENVS="guess-number", **fast),
+                         start(stack.start, "recorder"))
+    url = (await start(stack.start, "scheduler")).url
+    js = nc.jetstream()
+    sql = Sql(database_url)
+    try:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=10) as http:
+            envs = {e["name"]: e for e in (await http.get("/v1/envs")).json()["envs"]}
+            assert envs["arithmetic"]["route"] == "arithmetic" and envs["guess-number"]["route"] == "guess-number"
+
+            # 1. two workers with disjoint envs, a batch of each: every episode ends on the worker with its env
+            arith = await _submit(http, "arithmetic", [{"seed": i} for i in range(6)], group_size=2, max_turns=1)
+            guess = await _submit(http, "guess-number", [{"seed": i} for i in range(4)], group_size=2)
+            for batch_id, worker in ((arith, "env-arith"), (guess, "env-guess")):
+                info = await _done(http, batch_id)
+                assert info["counts"]["failed"] == 0 and info["waiting_for_env"] == {}, info
+                workers = _workers(sql, batch_id)
+                assert set(workers) <= FINISHED and set().union(*workers.values()) == {worker}, workers
+            assert sql.scalar("select count(*) from attempt_failures") == 0, "no 'unknown env' failure"
+            for route in ("arithmetic", "guess-number"):  # one shared consumer per route
+                await js.consumer_info(WORK_STREAM, work_consumer(route))
+
+            # 2. the only worker with guess-number stops: a guess-number batch waits, visibly, and fails nothing
+            guess_worker = next(p for p in stack.procs if p.name == "env-guess")
+            await start(guess_worker.stop)
+            waiting = await _submit(http, "guess-number", [{"seed": i} for i in range(3)])
+
+            async def shows_waiting() -> dict[str, Any] | None:
+                info = await _status(http, waiting)
+                return info if info["waiting_for_env"] == {"guess-number": 3} else None
+            info = await until(shows_waiting, 10, "the batch to show it waits for guess-number")
+            assert info["counts"]["requested"] == 3 and info["num_published"] == 3
+            await asyncio.sleep(1.0)  # env-arith is live and idle: it must not take (and fail) them
+            info = await _status(http, waiting)
+            assert info["counts"]["requested"] == 3 and info["counts"]["failed"] == 0, info
+            assert (await js.stream_info(WORK_STREAM)).state.messages == 3, "the items wait on the work queue"
+
+            # ... and completes once a worker with the env starts
+            await start(stack.start, "env-worker", "env-guess-2", ROLLOUT_ENVS="guess-number", **fast)
+            info = await _done(http, waiting)
+            assert info["counts"]["failed"] == 0 and info["waiting_for_env"] == {}
+            assert set().union(*_workers(sql, waiting).values()) == {"env-guess-2"}
+
+            # 3. items a previous release queued on the single subject still run, each on a worker with its env
+            #    (a worker without it hands the item back without spending a delivery)
+            legacy = [work_item(env, task, batch_id=f"legacy{n}")
+                      for n, (env, task) in enumerate((("arithmetic", {"a": 2, "b": 3, "op": "+"}),
+                                                       ("guess-number", {"target": 7, "low": 1, "high": 10})) * 2)]
+            for item in legacy:
+                seed_episodes(sql, item.batch_id, env=item.env)
+                await bus.publish_event(js, item)  # no route: the legacy subject rl.work.episodes
+
+            def legacy_done() -> bool:
+                return bool(sql.scalar("select count(*) from episodes where batch_id like 'legacy%' "
+                                       "and status in ('completed', 'truncated')") == len(legacy))
+            await until(legacy_done, 30, "the legacy items to run")
+            for item in legacy:
+                worker = sql.scalar("select worker_id from episodes where id = :e", e=item.episode_id)
+                assert worker == ("env-arith" if item.env == "arithmetic" else "env-guess-2"), (item.env, worker)
+            assert sql.scalar("select count(*) from attempt_failures") == 0
+            assert sql.scalar("select count(*) from dead_letters") == 0
+
+        # the live workers' reports: the stopped one removed its own
+        reports = await js.key_value(ENV_WORKERS_BUCKET)
+        assert {(await reports.get(k)).key for k in ("env-arith", "env-guess-2")} == {"env-arith", "env-guess-2"}
+        assert b'"routes":["guess-number"]' in ((await reports.get("env-guess-2")).value or b"")
+        assert (await (await js.key_value(ENVS_BUCKET)).get("arithmetic")).value is not None
+    finally:
+        sql.close()

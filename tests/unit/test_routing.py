@@ -1,0 +1,150 @@
+"""Env-aware routing, the pure parts: route tokens and consumer names (shared/subjects.py), adverts and routes of a
+worker's envs and the fair split of its free slots (services/env_worker/routing.py), and the scheduler's reading of
+adverts (services/scheduler/envs.py) on an in-memory bucket."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from nats.js.errors import KeyNotFoundError
+
+from rollout_ledger.services.env_worker.routing import FairSlots, adverts, routes_of
+from rollout_ledger.services.envs.base import EnvSpec
+from rollout_ledger.services.envs.builtins import builtin_registry
+from rollout_ledger.services.scheduler import envs as sched_envs
+from rollout_ledger.shared import subjects as sj
+from rollout_ledger.shared.nats_auth import may
+
+
+def _spec(name: str, family: str = "") -> EnvSpec:
+    return EnvSpec(name=name, factory=lambda: None, description=f"the {name} env",
+                   multi_turn=False, example_task={"q": name}, family=family)
+
+
+FAMILY = [_spec("fam:alpha", "fam"), _spec("fam:beta", "fam"), _spec("fam:gamma.v2", "fam")]
+"""A fake parametrised family (the real ``rg`` one is registered by services/envs/reasoning_gym.py)."""
+
+
+@pytest.mark.parametrize("route", ["arithmetic", "guess-number", "remote:echo", "openenv:echo_env", "rg",
+                                   "a.b*c>d/e\\f g=h", "émoji-🙂", "x" * 100])
+def test_route_tokens_are_one_safe_token_and_reversible(route: str) -> None:
+    token = sj.route_token(route)
+    assert sj.route_of_token(token) == route
+    assert all(c.isascii() and (c.isalnum() or c in "-_=") for c in token), token
+    subject = sj.work_subject(route)
+    assert subject.split(".")[:3] == ["rl", "work", "episodes"] and len(subject.split(".")) == 4
+    assert may(sj.WORK_ROUTES, subject) and not may(sj.WORK_SUBJECT, subject)
+    consumer = sj.work_consumer(route)
+    assert not any(c in consumer for c in ".*> /\\"), "a consumer name NATS accepts"
+    assert sj.work_consumer_subject(consumer) == subject
+
+
+def test_distinct_routes_never_share_a_subject() -> None:
+    routes = ["a:b", "a=3Ab", "a_b", "a-b", "A:b", "a::b", "a.b", "a=2Eb"]
+    assert len({sj.work_subject(r) for r in routes}) == len(routes)
+
+
+@pytest.mark.parametrize("name", ["recorder", "env-workers-", "env-workersX", "env-workers-a=3a", "env-workers-a=",
+                                  "env-workers-a=ZZ", "env-workers-a.b", "env-workers-a=2", "ENV-WORKERS-a"])
+def test_only_canonical_work_consumers_have_a_subject(name: str) -> None:
+    """The recorder trusts a max-deliveries advisory only for a consumer name this code could have made."""
+    assert sj.work_consumer_subject(name) is None
+
+
+def test_the_legacy_consumer_keeps_the_previous_single_subject() -> None:
+    assert sj.work_consumer_subject(sj.WORK_CONSUMER) == sj.WORK_SUBJECT == "rl.work.episodes"
+    assert sj.work_max_deliveries_advisory(sj.WORK_CONSUMER) == sj.WORK_MAX_DELIVERIES_ADVISORY
+    assert may(sj.WORK_MAX_DELIVERIES_ADVISORIES, sj.work_max_deliveries_advisory(sj.work_consumer("remote:x")))
+    (work,) = [s for s in sj.STREAMS if s.name == sj.WORK_STREAM]
+    assert work.subjects == [sj.WORK_SUBJECT, sj.WORK_ROUTES] and work.retention == "workqueue"
+
+
+def test_a_family_is_one_advert_listing_its_members_and_routed_as_one() -> None:
+    specs = [*builtin_registry().specs(), *FAMILY]
+    routes = routes_of(specs, agents=["my-agent"])
+    assert routes["fam"] == ["fam:alpha", "fam:beta", "fam:gamma.v2"]
+    assert routes["arithmetic"] == ["arithmetic"] and routes["my-agent"] == ["my-agent"]
+    ads = adverts(specs, "w1")
+    assert "fam:alpha" not in ads, "members are not advertised one by one"
+    fam = ads["fam:*"]
+    assert fam["members"] == ["fam:alpha", "fam:beta", "fam:gamma.v2"]
+    assert (fam["route"], fam["family"], fam["registered_by"]) == ("fam", "fam", "w1")
+    assert ads["guess-number"]["route"] == "guess-number" and ads["guess-number"]["multi_turn"] is True
+
+
+class MemoryKV:
+    """The two KeyValue calls the scheduler's envs.py makes (``get``), on a dict."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = {sj.env_key(k): v if isinstance(v, bytes) else orjson.dumps(v) for k, v in values.items()}
+
+    async def get(self, key: str) -> Any:
+        if key not in self.values:
+            raise KeyNotFoundError
+
+        class Entry:
+            value = self.values[key]
+        return Entry()
+
+
+async def test_the_scheduler_resolves_routes_from_adverts() -> None:
+    ads = adverts([*builtin_registry().specs(), *FAMILY], "w1")
+    kv: Any = MemoryKV({**ads, "remote:echo": {"name": "remote:echo"}, "by-hand": b"not json",
+                        "my-agent": {"name": "my-agent", "kind": "agent"}})
+    assert await sched_envs.resolve(kv, "arithmetic") == (True, "arithmetic")
+    assert await sched_envs.resolve(kv, "fam:beta") == (True, "fam")
+    assert await sched_envs.resolve(kv, "fam:gamma.v2") == (True, "fam")
+    assert await sched_envs.resolve(kv, "fam:delta") == (False, "fam:delta"), "not a member: not registered"
+    assert await sched_envs.resolve(kv, "remote:echo") == (True, "remote:echo"), "an advert without a route"
+    assert await sched_envs.resolve(kv, "by-hand") == (True, "by-hand")
+    assert await sched_envs.resolve(kv, "my-agent") == (True, "my-agent")
+    assert await sched_envs.resolve(kv, "nope") == (False, "nope")
+    assert sched_envs.family_advert_name("fam:*") is None and sched_envs.family_advert_name("x") is None
+
+
+def test_served_means_a_live_worker_runs_the_env() -> None:
+    live = [sched_envs.LiveWorker("w1", ["arithmetic", "fam"], ["arithmetic", "fam:alpha"])]
+    assert sched_envs.served(live, "fam:alpha") and sched_envs.served(live, "arithmetic")
+    assert not sched_envs.served(live, "fam:beta") and not sched_envs.served(live, "guess-number")
+    assert not sched_envs.served([], "arithmetic")
+
+
+def test_fair_slots_never_ask_for_more_than_is_free() -> None:
+    held = [0]
+    slots = FairSlots(capacity=8, batch=64, in_use=lambda: held[0])
+    # nothing found yet: every route probes with one item
+    assert [slots.grant(r) for r in ("a", "b", "c")] == [1, 1, 1]
+    assert slots.free() == 5
+    slots.settle("a", 1, 1)
+    held[0] += 1  # a's item runs
+    slots.settle("b", 1, 0)
+    slots.settle("c", 1, 0)
+    # a found work: it may take the rest, minus nothing (b and c are idle)
+    assert slots.grant("a") == 7 and slots.grant("b") == 0, "no slot left for b's probe"
+    slots.settle("a", 7, 7)
+    held[0] += 7
+    assert slots.free() == 0 and slots.grant("c") == 0
+
+
+def test_fair_slots_share_evenly_between_busy_routes() -> None:
+    held = [0]
+    slots = FairSlots(capacity=64, batch=64, in_use=lambda: held[0])
+    for route in ("a", "b"):
+        slots.settle(route, slots.grant(route), 1)
+        held[0] += 1
+    a, b = slots.grant("a"), slots.grant("b")
+    assert a == b == 31, (a, b)
+    slots.settle("a", a, 0)
+    slots.settle("b", b, b)
+    held[0] += b
+    # a came back empty: it probes with one; b takes its even share of what does not run
+    assert slots.grant("a") == 1
+    assert slots.grant("b") == 64 - held[0] - 1
+
+
+def test_fair_slots_respect_the_fetch_batch() -> None:
+    slots = FairSlots(capacity=100, batch=5, in_use=lambda: 0)
+    slots.settle("a", slots.grant("a"), 1)
+    assert slots.grant("a") == 5
