@@ -40,7 +40,7 @@ up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless N
 	$(BIN)/rollout up
 
 test: install model openenv  ## unit, contract, integration (real NATS + Postgres) and end-to-end tests
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=30
 
 test-fast: install  ## unit and contract tests only
 	$(BIN)/pytest -q tests/unit tests/contract

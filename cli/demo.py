@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,24 @@ from rollout_ledger.migrations.runner import sync_url
 from rollout_ledger.services.exporter.export import export_batch
 from rollout_ledger.shared.kit.settings import default_model_dir
 
-DEMO_BATCHES = (
-    # env, tasks per `--num-tasks` (fraction), max_turns, max_tokens
-    ("arithmetic", 1.0, 1, 32),
-    ("guess-number", 1.0, 6, 16),
-    ("retail-orders", 0.5, 6, 64),
+
+@dataclass(frozen=True)
+class DemoBatch:
+    """One demo batch: an environment, its tasks, and the turn and token budgets."""
+
+    env: str
+    share: float
+    """Tasks per ``--num-tasks``."""
+    max_turns: int
+    max_tokens: int
+    tasks: Callable[[int], list[dict[str, Any]]] = field(default=lambda n: [{"seed": i} for i in range(n)])
+    """The first ``n`` tasks (default: ``{"seed": i}``)."""
+
+
+DEMO_BATCHES: tuple[DemoBatch, ...] = (
+    DemoBatch("arithmetic", 1.0, 1, 32),
+    DemoBatch("guess-number", 1.0, 6, 16),
+    DemoBatch("retail-orders", 0.5, 6, 64),
 )
 """One batch per environment: single-turn, multi-turn, and tool calling (Hermes ``<tool_call>``)."""
 
@@ -71,9 +85,9 @@ _COLUMNS = ("env", "episodes", "completed", "truncated", "aborted", "failed", "m
             "sampled_tokens", "token_exact", "cache_hit")
 
 
-def demo_batches(num_tasks: int) -> list[tuple[str, int, int, int]]:
-    """(env, tasks, max_turns, max_tokens) of each demo batch."""
-    return [(env, max(1, round(num_tasks * share)), turns, tokens) for env, share, turns, tokens in DEMO_BATCHES]
+def demo_batches(num_tasks: int) -> list[tuple[DemoBatch, list[dict[str, Any]]]]:
+    """Each demo batch with its tasks."""
+    return [(b, b.tasks(max(1, round(num_tasks * b.share)))) for b in DEMO_BATCHES]
 
 
 def run_demo(num_tasks: int = 4, group_size: int = 4, out: Path = Path("exports"), engine: str = "vllm",
@@ -94,14 +108,14 @@ def run_demo(num_tasks: int = 4, group_size: int = 4, out: Path = Path("exports"
         labels: list[str] = []
         submitted = 0
         t_run = time.monotonic()
-        for env, tasks, max_turns, max_tokens in demo_batches(num_tasks):
-            body = client.submit(env=env, tasks=[{"seed": i} for i in range(tasks)], group_size=group_size,
-                                 max_turns=max_turns, sampling={"temperature": 1.0, "max_tokens": max_tokens})
+        for batch, tasks in demo_batches(num_tasks):
+            body = client.submit(env=batch.env, tasks=tasks, group_size=group_size, max_turns=batch.max_turns,
+                                 sampling={"temperature": 1.0, "max_tokens": batch.max_tokens})
             batch_ids.append(body["batch_id"])
-            labels.append(f"{env:<14}")
+            labels.append(f"{batch.env:<14}")
             submitted += body["num_episodes"]
-            console.print(f"submitted {body['num_episodes']:>3} {env} episodes ({tasks} tasks x group_size "
-                          f"{group_size}, max_turns {max_turns}) as batch {body['batch_id']}")
+            console.print(f"submitted {body['num_episodes']:>3} {batch.env} episodes ({len(tasks)} tasks x "
+                          f"group_size {group_size}, max_turns {batch.max_turns}) as batch {body['batch_id']}")
         client.follow_all(batch_ids, console=console, timeout_s=1800, labels=labels)
         wall = time.monotonic() - t_run
         reader_url = stack.infra.database_logins.get("exporter", stack.infra.database_url)  # the read-only login

@@ -14,7 +14,7 @@ def test_demo_runs_mixed_batch_and_prints_summary(tmp_path: Path, model_dir: str
     code = run_demo(num_tasks=2, group_size=2, out=tmp_path / "exports", engine="fake", console=console)
     out = console.export_text()
     assert code == 0, out
-    envs = [env for env, *_ in demo_batches(2)]
+    envs = [batch.env for batch, _ in demo_batches(2)]
     assert envs == ["arithmetic", "guess-number", "retail-orders"]
     for env in envs:
         assert env in out
