@@ -1,5 +1,11 @@
 """The ``retail-orders`` environment: a tau-bench-like order desk with tools, a scripted user and a state reward.
 
+It stays beside the real tau2-bench (``tau2:retail``, tau2_bench.py) as the light tool-calling env of the tests,
+benchmarks and the fake-engine demo: no optional package, no simulated-user LLM (each of its user turns is a
+string, so an episode costs only the policy's turns), deterministic from its seed, and tasks that a scripted
+policy solves exactly (tests check state rewards and abort-on-error without a model). For training on retail
+customer service use ``tau2:retail``: tau2's data, policy, tools, LLM user and evaluator.
+
 A task ``{"seed": n}`` builds a small store procedurally (users, orders with items, statuses and addresses)
 and a customer with one to three requests (cancel a pending order, change a pending order's address, return
 items of a delivered order). The goal state is the store after those requests; the reward is 1.0 iff the
