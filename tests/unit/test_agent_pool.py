@@ -2,8 +2,8 @@
 are enforced in the agent process (and a process that blocks its event loop is killed), a process that dies
 ends its runs ``lost`` and is started again, a cancelled run is cancelled in its process.
 
-The agents below make no model calls (the session endpoint is tested with the pool in
-tests/integration/test_agent_pool.py); each gets the ``AsyncOpenAI`` the pool builds.
+The agents here make no model calls, except ``chat`` and ``sleepy``, which tests/integration/test_agent_pool.py
+runs against the session endpoint (this module imports little, so agent processes start fast).
 """
 
 from __future__ import annotations
@@ -46,20 +46,45 @@ async def sleeps(task: dict[str, Any], client: Any) -> float:
     try:
         await asyncio.sleep(60)
     except asyncio.CancelledError:
-        Path(task["mark"]).write_text("cancelled")
+        Path(task["mark"]).write_text("cancelled")  # noqa: ASYNC240 - a one-off mark the test reads
         raise
     return 1.0
 
 
 async def blocks(task: dict[str, Any], client: Any) -> float:
     """Blocks its process's event loop (a deadline cannot cancel it)."""
-    time.sleep(60)
+    time.sleep(60)  # noqa: ASYNC251 - the point: a blocked event loop
     return 1.0
 
 
 async def crashes(task: dict[str, Any], client: Any) -> float:
     await asyncio.sleep(task.get("sleep", 0))
     os._exit(3)
+
+
+async def chat(task: dict[str, Any], client: Any) -> dict[str, Any]:
+    """``task["turns"]`` calls, each answer sent back with a follow-up; every other call streamed, the first
+    with logprobs."""
+    messages: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": task["q"]}]
+    text = ""
+    for t in range(task["turns"]):
+        if t % 2:
+            stream = await client.chat.completions.create(model="policy", messages=messages, stream=True,
+                                                          max_tokens=32)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        else:
+            resp = await client.chat.completions.create(model="policy", messages=messages, max_tokens=32,
+                                                        logprobs=t == 0)
+            text = resp.choices[0].message.content or ""
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And then ({t})?"}]
+    return {"reward": float(len(text) > 0), "answer": text, "info": {"pid": os.getpid()}}
+
+
+async def sleepy(task: dict[str, Any], client: Any) -> float:
+    """One call, then hangs (the deadline cancels it in its agent process)."""
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    await asyncio.sleep(3600)
+    return 1.0
 
 
 AGENTS = ",".join(f"{n}={HERE}:{n}" for n in ("echo", "raises", "sleeps", "blocks", "crashes"))
