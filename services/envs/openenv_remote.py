@@ -30,7 +30,8 @@ Mapping to our chat episode:
   ``EnvError``.
 - ``reward`` (null: 0) is the step's reward; ``done`` ends the episode: ``truncated`` when the observation or
   its metadata says ``truncated: true``, else ``terminated``. The final observation is not sent to the policy;
-  it is kept in the step's info (``final_observation``) with the observation's ``metadata``.
+  it is kept in the step's info (``final_observation``) with the observation's ``metadata``. The reset
+  observation's reward is not counted (OpenEnv servers answer 0 or null there).
 
 Failures (the classes of remote.py). Every frame waits at most ``timeout_s``. Opening a session (connect and
 ``reset``) is retried with backoff and jitter up to ``retries`` more times after a transport error (refused,
@@ -62,7 +63,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import websockets
 from websockets.asyncio.client import ClientConnection
@@ -72,9 +73,6 @@ from rollout_ledger.services.envs.base import Env, EnvContext, EnvSpec, Message,
 from rollout_ledger.services.envs.remote import RemoteConfig
 from rollout_ledger.shared.errors import EnvError
 from rollout_ledger.shared.kit.logging import get_logger
-
-if TYPE_CHECKING:
-    from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 
 log = get_logger(__name__)
 
@@ -350,7 +348,10 @@ def decode_observation(data: dict[str, Any], what: str) -> Observed:
     if raw_reward is None:
         reward = 0.0
     elif isinstance(raw_reward, (bool, int, float)):
-        reward = float(raw_reward)
+        try:
+            reward = float(raw_reward)
+        except OverflowError:  # an integer past float's range
+            reward = math.inf
     else:
         raise EnvError(f"{what}: reward {str(raw_reward)[:100]!r} is not a number", retryable=False)
     if not math.isfinite(reward):  # Python's json reads NaN, Infinity and 1e999
@@ -485,7 +486,18 @@ class OpenEnvEnv(Env):
                 self.pool.release()
 
 
-def specs(settings: EnvWorkerSettings) -> list[EnvSpec]:
+class OpenEnvSettings(Protocol):
+    """What ``specs`` reads of the env worker's settings (``EnvWorkerSettings``; a protocol, so that the settings
+    module, which imports the parser above, is not imported back)."""
+
+    openenv_concurrency: int
+
+    def openenv_endpoints(self) -> list[OpenEnvEndpoint]: ...
+
+    def remote_config(self) -> RemoteConfig: ...
+
+
+def specs(settings: OpenEnvSettings) -> list[EnvSpec]:
     """The envs ``openenv:<name>`` of ``ROLLOUT_OPENENV_ENVS``, each with its session pool."""
     base = settings.remote_config()
     out: list[EnvSpec] = []

@@ -286,6 +286,7 @@ async def test_the_server_closing_mid_episode_is_env_retryable(fake: FakeOpenEnv
     ('{"type": "observation", "data": {"observation": "x", "reward": 0}}', "'observation' must be an object"),
     ('{"type": "observation", "data": {"observation": {}, "reward": "high"}}', "is not a number"),
     ('{"type": "observation", "data": {"observation": {}, "reward": NaN}}', "not a finite number"),
+    ('{"type": "observation", "data": {"observation": {}, "reward": 1' + "0" * 400 + '}}', "not a finite number"),
     ('{"type": "observation", "data": {"observation": {}, "done": "yes"}}', "'done' must be a boolean"),
     (error("UNKNOWN_TYPE"), "UNKNOWN_TYPE"),
 ])
