@@ -16,6 +16,7 @@ import httpx
 import pytest
 import websockets
 
+from rollout_ledger.cli.stack.servers import free_port
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.envs.base import EnvContext
 from rollout_ledger.services.envs.openenv_remote import OpenEnvEndpoint, OpenEnvEnv, SessionPool, ws_url
@@ -23,7 +24,7 @@ from rollout_ledger.services.envs.remote import RemoteConfig
 from rollout_ledger.shared.errors import EnvError
 from tests.helpers import AUTH, Sql
 from tests.integration.test_pipeline import check_token_exact
-from tests.integration.test_remote_env import counts, submit, wait_done
+from tests.integration.test_remote_env import counts, failures, submit, wait_done
 from tests.openenv_server import OpenEnvServer, openenv_python
 
 
@@ -101,15 +102,19 @@ async def test_a_server_at_capacity_is_retried_until_its_session_frees(echo_serv
 def test_a_batch_through_the_stack_records_the_servers_rewards(
         stack: Stack, database_url: str, echo_server: OpenEnvServer) -> None:
     stack.start("inference-worker", ROLLOUT_ENGINE="fake")
-    stack.start("env-worker", ROLLOUT_OPENENV_ENVS=f"echo={echo_server.url};observation=echoed_message;concurrency=1",
-                ROLLOUT_REMOTE_STARTUP_JITTER_S="0", ROLLOUT_REMOTE_TIMEOUT_S="5")
+    served = f"echo={echo_server.url};observation=echoed_message;concurrency=1"
+    stack.start("env-worker", ROLLOUT_OPENENV_ENVS=f"{served},gone=ws://127.0.0.1:{free_port()}",
+                ROLLOUT_REMOTE_STARTUP_JITTER_S="0", ROLLOUT_REMOTE_TIMEOUT_S="5", ROLLOUT_REMOTE_RETRIES="1",
+                ROLLOUT_REMOTE_BACKOFF_S="0.05", ROLLOUT_RETRY_ENV="1")
     stack.start("recorder")
     url = stack.start("scheduler").url
     names = {e["name"] for e in httpx.get(f"{url}/v1/envs", headers=AUTH, timeout=10).json()["envs"]}
-    assert "openenv:echo" in names
+    assert {"openenv:echo", "openenv:gone"} <= names
     batch_id = submit(url, "openenv:echo", [{"seed": 0}, {"seed": 1}], max_turns=3, group_size=2, max_tokens=2)
+    gone_id = submit(url, "openenv:gone", [{"seed": 0}])  # nothing listens there: refused, retried, class env
     info = wait_done(url, batch_id)
     assert counts(info) == {"truncated": 4}  # the echo env is never done: max_turns ends each episode
+    assert counts(wait_done(url, gone_id)) == {"failed": 1}
     sql = Sql(database_url)
     try:
         assert check_token_exact(sql, batch_id) == 4
@@ -127,6 +132,9 @@ def test_a_batch_through_the_stack_records_the_servers_rewards(
         for episode_id, reward in rewards.items():
             assert reward == pytest.approx(sum(s["reward"] for s in steps if s["episode_id"] == episode_id))
         assert any(s["reward"] < 1.0 for s in steps)  # short replies: rewards below the cap, so they tell apart
+        rows = failures(sql, gone_id)  # retryable: the attempt budget (ROLLOUT_RETRY_ENV=1) ran a second attempt
+        assert [(r["attempt"], r["failure_class"], r["retried"]) for r in rows] == [(1, "env", True), (2, "env", False)]
+        assert all("no session after 2 tries" in r["reason"] for r in rows)
         prompt = sql.scalar("select prompt_text from episodes where batch_id = :b limit 1", b=batch_id)
         assert "Echo Env environment ready!" in prompt
     finally:
