@@ -7,7 +7,7 @@ the connection ends. The wire format (openenv 0.10.0, ``openenv.core.env_server.
 
     -> {"type": "reset", "data": {reset kwargs: seed, episode_id, env-specific}}
     -> {"type": "step",  "data": {the env's typed Action as JSON}}
-    -> {"type": "state"}                                   <- {"type": "state", "data": {...}}
+    -> {"type": "state"}                                   <- {"type": "state", "data": {...}}   (not used here)
     -> {"type": "close"}                                   (the server ends the session and the connection)
     <- {"type": "observation", "data": {"observation": {fields, "metadata"}, "reward": number | null,
                                         "done": bool, "metadata"?: {...}}}
@@ -41,7 +41,7 @@ the session's state lives in the connection, so a lost connection, a timed-out s
 (``EXECUTION_ERROR``, ``SESSION_ERROR``) cannot be retried in place: the attempt fails at once, ``EnvError``
 retryable (the per-class budget decides whether another attempt runs from a new session). Protocol violations
 (a frame that is no JSON object of the shapes above, a non-finite reward, ``INVALID_JSON``/``UNKNOWN_TYPE``, a 4xx
-handshake, a refused reset) are ``EnvError`` with ``retryable=False``.
+handshake, a reset refused as invalid: ``VALIDATION_ERROR``) are ``EnvError`` with ``retryable=False``.
 
 Session pool: each server has a ``SessionPool`` bounding the sessions open at once (``concurrency``; an episode
 waits for a free one before it connects; set it to the server's ``max_concurrent_envs``), with the start-up
