@@ -61,6 +61,9 @@ PACKAGE = "tau2"
 DOMAINS = ("retail", "airline", "mock")
 """Domains whose user has no tools of their own (tau2's ``telecom`` has: not supported)."""
 DEFAULT_DOMAINS = ("retail", "airline")
+LONG_PROMPT_DOMAINS = ("retail", "airline")
+LONG_PROMPT_CONTEXT = 8192
+"""Context (``max_model_len``) below which a worker registering retail or airline warns at start."""
 DONE_TOOL = "done"
 """tau2's gym stop tool (``tau2.gym.gym_agent.done``): the agent ends the conversation."""
 STOP_TOKEN = "###STOP###"
@@ -121,6 +124,12 @@ def specs(settings: EnvWorkerSettings) -> list[EnvSpec]:
     domains = enabled_domains(settings)
     if not domains:
         return []
+    long = [d for d in domains if d in LONG_PROMPT_DOMAINS]
+    if long and settings.max_model_len < LONG_PROMPT_CONTEXT:
+        log.warning("tau2.context_too_short", domains=long, max_model_len=settings.max_model_len,
+                    hint=f"their prompts (policy and tool schemas) are ~5.2k tokens of SmolLM2 and tool results run "
+                         f"to ~1.5k tokens: set ROLLOUT_MAX_MODEL_LEN to {LONG_PROMPT_CONTEXT} or more, or every "
+                         "episode ends at once with stop reason context_length")
     config = Tau2Config(user_pool=settings.tau2_user_pool, user_max_tokens=settings.tau2_user_max_tokens,
                         user_temperature=settings.tau2_user_temperature, max_errors=settings.tau2_max_errors)
     library = Tau2Library()
