@@ -22,6 +22,7 @@ from rollout_ledger.services.env_worker.sessions.app import SessionRegistry, ses
 from rollout_ledger.services.env_worker.sessions.mapping import clip_texts, cut_at_stop
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
 from rollout_ledger.services.env_worker.tokenization import Delta, Transcript, TurnTemplate
+from rollout_ledger.services.inference_worker.engine import Engine
 from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
 from rollout_ledger.shared.events import FinishReason, SamplingParams, TurnGenerated
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
@@ -56,11 +57,11 @@ def test_clip_texts() -> None:
 # --- an episode answered by a real engine (the fake) ----------------------------------------------------
 @dataclass
 class EngineEpisode:
-    """An ``EpisodeSink`` whose turns a ``FakeEngine`` samples (or ``scripted`` ids, when set for turn t),
-    keeping what the episode would publish (the actions recorded, the deltas)."""
+    """An ``EpisodeSink`` whose turns an engine samples (the fake here, vLLM in tests/e2e) or ``scripted`` ids
+    (when set for turn t), keeping what the episode would publish (the actions recorded, the deltas)."""
 
     tok: ChatTokenizer
-    engine: FakeEngine
+    engine: Engine
     scripted: dict[int, tuple[list[int], FinishReason]] = field(default_factory=dict)
     max_turns: int = 8
     max_model_len: int = 2048
@@ -85,7 +86,7 @@ class EngineEpisode:
             event_id=f"e:a1:t{t}:r1", episode_id="e", batch_id="b", attempt=1, seq=2 * t + 1, produced_by="test",
             request_id=f"e:a1:t{t}:r1", turn_index=t, prompt_len=len(context), token_ids=ids,
             logprobs=np.full(len(ids), -0.25, dtype=np.float32), finish_reason=reason, weight_version=1,
-            engine="fake", worker_id="w", queue_ms=0.0, generate_ms=0.0)
+            engine=self.engine.name, worker_id="w", queue_ms=0.0, generate_ms=0.0)
         self.turns.append(turn)
         return turn
 
@@ -105,6 +106,18 @@ class Served:
     http: httpx.AsyncClient
 
 
+def open_in_process(episode: EngineEpisode) -> Served:
+    """A session of ``episode`` on the real app, reached by the SDK in process (ASGI transport)."""
+    registry = SessionRegistry("SmolLM2-135M-Instruct")
+    registry.base_url = "http://sessions"
+    session = AgentSession(episode, TurnTemplate(episode.tok), registry.model_name)
+    secret = registry.open("e", session)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=session_app(registry)))
+    client = openai.AsyncOpenAI(base_url=registry.url("e"), api_key=secret, http_client=cast(Any, http),
+                                max_retries=0)
+    return Served(episode, session, client, http)
+
+
 @pytest.fixture(scope="module")
 def tok(model_dir: str) -> ChatTokenizer:
     return load_chat_tokenizer(model_dir)
@@ -117,16 +130,9 @@ async def serve(model_dir: str, tok: ChatTokenizer) -> AsyncIterator[Callable[..
     clients: list[openai.AsyncOpenAI] = []
 
     def open_session(**scripted: Any) -> Served:
-        episode = EngineEpisode(tok, engine, scripted={int(k[1:]): v for k, v in scripted.items()})
-        registry = SessionRegistry("SmolLM2-135M-Instruct")
-        registry.base_url = "http://sessions"
-        session = AgentSession(episode, TurnTemplate(tok), registry.model_name)
-        secret = registry.open("e", session)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=session_app(registry)))
-        client = openai.AsyncOpenAI(base_url=registry.url("e"), api_key=secret, http_client=cast(Any, http),
-                                    max_retries=0)
-        clients.append(client)
-        return Served(episode, session, client, http)
+        served = open_in_process(EngineEpisode(tok, engine, scripted={int(k[1:]): v for k, v in scripted.items()}))
+        clients.append(served.client)
+        return served
 
     yield open_session
     for client in clients:
