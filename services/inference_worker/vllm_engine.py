@@ -152,7 +152,14 @@ def engine_kwargs(settings: InferenceSettings, on_cpu: bool, cpuinfo: str | None
 
 
 def sampling_params(sampling: SamplingParams, max_tokens: int) -> vllm.SamplingParams:
-    """vLLM sampling parameters for one turn (final output only; the sampled id's logprob always returned)."""
+    """vLLM sampling parameters for one turn (final output only; the sampled id's logprob always returned).
+
+    Stop strings: vLLM detokenises after every id and stops after the id whose text completes a stop string (the
+    one ending first). Its ``token_ids`` run through that id, without an end-of-turn id, and are returned verbatim;
+    its text (cut before the stop string) is not used: whoever shows the turn as text cuts the decoded ids the same
+    way (the session endpoint's ``mapping.cut_at_stop``), so the fake engine, which stops alike, gives the same
+    text.
+    """
     return vllm.SamplingParams(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
