@@ -42,15 +42,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from rollout_ledger.services.envs.base import Env, EnvContext, EnvSpec, Message, StepResult, TaskError
 from rollout_ledger.services.envs.tools import ToolCallError, parse_turn
 from rollout_ledger.shared.errors import EnvError, InferenceError
 from rollout_ledger.shared.kit.logging import get_logger
-
-if TYPE_CHECKING:
-    from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -97,7 +94,25 @@ def installed() -> bool:
     return importlib.util.find_spec(PACKAGE) is not None
 
 
-def enabled_domains(settings: EnvWorkerSettings) -> tuple[str, ...]:
+class Tau2Settings(Protocol):
+    """What ``specs`` reads of the env worker's settings (``EnvWorkerSettings``; a protocol, so that the settings
+    module, which validates ``tau2_domains`` with ``parse_domains``, is not imported back)."""
+
+    @property
+    def tau2_domains(self) -> str | None: ...
+    @property
+    def tau2_user_pool(self) -> str: ...
+    @property
+    def tau2_user_max_tokens(self) -> int: ...
+    @property
+    def tau2_user_temperature(self) -> float: ...
+    @property
+    def tau2_max_errors(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+
+
+def enabled_domains(settings: Tau2Settings) -> tuple[str, ...]:
     """The domains to register; ``Tau2UnavailableError`` when some are named but the package is missing."""
     if settings.tau2_domains is None:
         return DEFAULT_DOMAINS if installed() else ()
@@ -119,7 +134,7 @@ class Tau2Config:
     max_errors: int = 10
 
 
-def specs(settings: EnvWorkerSettings) -> list[EnvSpec]:
+def specs(settings: Tau2Settings) -> list[EnvSpec]:
     """The envs of this family that ``settings`` enable."""
     domains = enabled_domains(settings)
     if not domains:
