@@ -15,6 +15,7 @@ driver binds for the episode (``episode_id``, ``batch_id``, ``attempt``), since 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import uuid
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ from rollout_ledger.shared.events import InferenceRequested, SamplingParams, Tur
 from rollout_ledger.shared.kit.backoff import backoff_delay
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.subjects import POLICY_POOL, infer_pool_subject
+from rollout_ledger.shared.subjects import INFER_CANCEL, POLICY_POOL, infer_pool_subject
 
 if TYPE_CHECKING:
     from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
@@ -113,6 +114,10 @@ class ServedEnvLLM:
             try:
                 reply = await self.client.request_once(subject, encode(request), None, request.request_id)
                 return InferenceClient._turn_of(reply, subject)  # the client's own reply check (error headers)
+            except asyncio.CancelledError:  # the episode stopped waiting: let the pool's worker abort it
+                with contextlib.suppress(Exception):
+                    await self.client.nc.publish(INFER_CANCEL, request.request_id.encode())
+                raise
             except TryFailed as exc:
                 last = exc
                 log.info("env_llm.try_failed", pool=pool, request_id=request.request_id, error=str(exc))
