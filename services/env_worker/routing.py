@@ -118,7 +118,9 @@ class FairSlots:
     """How many work items each route's puller may ask for now (see the module docstring).
 
     ``in_use()`` counts the items this worker holds (running or waiting at its gates); ``reserved`` counts items
-    asked for by pulls still in flight. No pull asks for more than ``capacity - in_use - reserved``.
+    asked for by pulls still in flight. No pull asks for more than ``capacity - in_use - reserved``. Probes (the
+    one-item pulls of routes that found nothing last time) hold at most half the capacity at once, so the routes
+    that have work always get slots, even when a worker has more routes than slots.
     """
 
     def __init__(self, capacity: int, batch: int, in_use: Callable[[], int]) -> None:
@@ -126,6 +128,12 @@ class FairSlots:
         self.batch = batch
         self.in_use = in_use
         self.reserved = 0
+        self.probing = 0
+        """Of ``reserved``: slots held by probes."""
+        self.max_probing = max(1, capacity // 2)
+        self.probe_queue: list[str] = []
+        """Routes waiting for a probe, first come first served (a route whose probe just came back empty does not
+        take the next one before the routes already waiting)."""
         self.hungry: set[str] = set()
         """Routes whose last pull brought work (they may have more)."""
         self._changed = asyncio.Event()
@@ -134,16 +142,23 @@ class FairSlots:
         return self.capacity - self.in_use() - self.reserved
 
     def grant(self, route: str) -> int:
-        """Reserve and return how many items ``route`` may pull now: 0 when no slot is free; 1 for a route that
-        found nothing last time; else its even share of the slots not running an episode, bounded by what is free
+        """Reserve and return how many items ``route`` may pull now: 0 when no slot is free (or, for a probe, when
+        probes hold their half already or other routes wait for one before it); 1 for a route that found nothing
+        last time; else its even share of the slots neither running an episode nor probing, bounded by what is free
         and by ``batch``."""
         free = self.free()
-        if free <= 0:
-            return 0
         if route not in self.hungry:
+            if route not in self.probe_queue:
+                self.probe_queue.append(route)
+            if free <= 0 or self.probing >= self.max_probing or self.probe_queue[0] != route:
+                return 0
+            self.probe_queue.pop(0)
+            self.probing += 1
             n = 1
+        elif free <= 0:
+            return 0
         else:
-            share = math.ceil(max(0, self.capacity - self.in_use()) / len(self.hungry))
+            share = math.ceil(max(0, self.capacity - self.in_use() - self.probing) / len(self.hungry))
             n = max(1, min(share, free, self.batch))
         self.reserved += n
         return n
@@ -151,6 +166,8 @@ class FairSlots:
     def settle(self, route: str, granted: int, got: int) -> None:
         """The pull of ``granted`` items came back with ``got`` (the caller counted them into ``in_use`` already)."""
         self.reserved -= granted
+        if route not in self.hungry:
+            self.probing -= 1
         if got > 0:
             self.hungry.add(route)
         else:
@@ -159,9 +176,10 @@ class FairSlots:
 
     def notify(self) -> None:
         """A slot came free (or a reservation was settled): wake the routes waiting for one."""
-        self._changed.set()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
-    async def wait(self) -> None:
-        """Until the next ``notify`` (call right after a ``grant`` of 0, with no await in between)."""
-        self._changed.clear()
-        await self._changed.wait()
+    def changed(self) -> asyncio.Event:
+        """Set at the next ``notify``. Take it right after a ``grant`` of 0, with no await in between, then wait on
+        it: a ``notify`` that happens before the wait starts is not lost."""
+        return self._changed

@@ -220,7 +220,8 @@ class EnvWorker:
                 continue
             granted = self.slots.grant(route)
             if granted <= 0:
-                await _first(self.slots.wait(), shutdown.wait())
+                changed = self.slots.changed()
+                await _first(changed.wait(), shutdown.wait())
                 continue
             try:
                 msgs = await bus.fetch(subs[route], granted, timeout=s.fetch_timeout_s)
@@ -238,6 +239,8 @@ class EnvWorker:
                 self.tasks.add(task)
                 task.add_done_callback(self._task_done)
             self.slots.settle(route, granted, len(msgs))
+            if not msgs:
+                await asyncio.sleep(0)  # let the routes woken by this settle take the slot before probing again
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)

@@ -71,9 +71,16 @@ def test_previous_release_workers_beside_current_ones_lose_nothing(stack: Stack,
                                                                     tmp_path: Path) -> None:
     """The order of a real rolling upgrade: the previous release runs on its schema, the migrations Job brings the
     database to this release's head (expand only: an old pod already running is unaffected), this release's pods
-    start beside the old ones, and a batch runs across both generations."""
+    start beside the old ones, and a batch runs across both generations.
+
+    The batch goes through the previous release's scheduler, which queues work on the single subject
+    ``rl.work.episodes``: this release's env workers pull that subject too (routing's legacy consumer), so both
+    generations run it. A batch through this release's scheduler is routed per env (``rl.work.episodes.<route>``),
+    which only this release's env workers pull: it runs on them."""
     old = previous_release(tmp_path)
     downgrade(database_url, PREVIOUS_SCHEMA)
+    old_scheduler = stack.start("scheduler", name="scheduler-old", command=previous("scheduler"), PYTHONPATH=old,
+                                DATABASE_URL=database_url)
     old_inf = stack.start("inference-worker", name="inference-old", command=previous("inference-worker"),
                           PYTHONPATH=old, ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="0.01")
     old_env = stack.start("env-worker", name="env-old", command=previous("env-worker"), PYTHONPATH=old,
@@ -88,22 +95,31 @@ def test_previous_release_workers_beside_current_ones_lose_nothing(stack: Stack,
     stack.start("recorder", name="recorder-new", ROLLOUT_BATCH_SIZE="16")
     url = stack.start("scheduler").url
 
-    info = submit_and_wait(url, timeout_s=120, env="guess-number", tasks=[{"seed": i} for i in range(12)],
-                           group_size=4, max_turns=4, sampling={"temperature": 1.0, "max_tokens": 16})
+    info = submit_and_wait(old_scheduler.url, timeout_s=120, env="guess-number",
+                           tasks=[{"seed": i} for i in range(12)], group_size=4, max_turns=4,
+                           sampling={"temperature": 1.0, "max_tokens": 16})
     assert info["num_episodes"] == 48 and info["done"]
+    routed = submit_and_wait(url, timeout_s=60, env="guess-number", tasks=[{"seed": i} for i in range(4)],
+                             group_size=2, max_turns=4, sampling={"temperature": 1.0, "max_tokens": 16})
+    assert routed["num_episodes"] == 8 and routed["done"]
     sql = Sql(database_url)
     try:
         batch_id = str(info["batch_id"])
         statuses = {r["status"]: r["n"] for r in sql.rows("select status, count(*) as n from episodes group by 1")}
-        assert set(statuses) <= {"completed", "truncated"} and sum(statuses.values()) == 48, statuses
+        assert set(statuses) <= {"completed", "truncated"} and sum(statuses.values()) == 56, statuses
         assert check_token_exact(sql, batch_id) == 48
+        assert check_token_exact(sql, str(routed["batch_id"])) == 8
         assert sql.scalar("select count(*) from dead_letters") == 0
         assert sql.scalar("select count(*) from attempt_failures") == 0
-        env_workers = {r["worker_id"] for r in sql.rows("select distinct worker_id from episodes")}
+        env_workers = {r["worker_id"] for r in sql.rows("select distinct worker_id from episodes where batch_id = :b",
+                                                        b=batch_id)}
         assert env_workers == {"env-new", "env-old"}, "both generations of env workers ran episodes"
+        routed_workers = {r["worker_id"] for r in sql.rows("select distinct worker_id from episodes where batch_id "
+                                                           "= :b and worker_id is not null", b=str(routed["batch_id"]))}
+        assert routed_workers == {"env-new"}, "routed work reaches this release's env workers"
         inference = {r["worker_id"] for r in sql.rows("select distinct worker_id from turns")}
         assert inference == {"inference-new", "inference-old"}, "both generations of inference workers served"
-        for proc in (new_inf, old_inf, new_env, old_env):
+        for proc in (new_inf, old_inf, new_env, old_env, old_scheduler):
             assert proc.alive, f"{proc.name} died"
     finally:
         sql.close()

@@ -29,7 +29,14 @@ from rollout_ledger.shared.events import EpisodeRequested, decode_as, dumps
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 from rollout_ledger.shared.lifecycle import EpisodeStatus
-from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, WORK_STREAM, WORK_SUBJECT
+from rollout_ledger.shared.subjects import (
+    CANCEL_BUCKET,
+    ENVS_BUCKET,
+    WORK_ROUTES,
+    WORK_STREAM,
+    env_key,
+    work_subject,
+)
 
 TOKEN = "test-token-0123456789"
 READ_TOKEN = "test-read-token-0123456789"
@@ -110,14 +117,16 @@ async def work_count(js: bus.JetStreamContext) -> int:
     return int((await js.stream_info(WORK_STREAM)).state.messages)
 
 
-async def work_items(js: bus.JetStreamContext, n: int) -> list[EpisodeRequested]:
-    psub = await js.pull_subscribe(WORK_SUBJECT, durable="sched-test", stream=WORK_STREAM,
+async def work_items(js: bus.JetStreamContext, n: int, route: str | None = None) -> list[EpisodeRequested]:
+    """Take ``n`` work items off the queue; each must be on its env's route (``route``: on that one)."""
+    psub = await js.pull_subscribe(WORK_ROUTES, durable="sched-test", stream=WORK_STREAM,
                                    config=ConsumerConfig(ack_wait=30))
     msgs = await psub.fetch(n, timeout=5)
     out = []
     for m in msgs:
         ev = decode_as(m.data, EpisodeRequested)
         assert m.headers is not None and m.headers["Nats-Msg-Id"] == ev.event_id
+        assert m.subject == work_subject(route or ev.env), "published on its env's route"
         out.append(ev)
     await psub.unsubscribe()
     return out
@@ -269,7 +278,28 @@ async def test_unknown_env_lists_the_known_ones(api: Api) -> None:
     envs = (await api.client.get("/v1/envs")).json()["envs"]
     assert [e["name"] for e in envs] == ["countdown", "echo"]
     assert envs[1] == {"name": "echo", "description": "echo env", "multi_turn": False,
-                       "example_task": {"q": "1+1"}, "registered_by": "tests"}
+                       "example_task": {"q": "1+1"}, "registered_by": "tests", "route": "", "family": "",
+                       "members": []}
+
+
+async def test_a_family_is_listed_once_and_its_members_are_routed_by_it(api: Api) -> None:
+    """A family's one advert (``<family>:*`` with its members, as env workers write it): GET /v1/envs lists it once;
+    a batch of a member is accepted and its work items go to the family's route; a non-member is a 400."""
+    kv = await api.js.key_value(ENVS_BUCKET)
+    await kv.put(env_key("fam:*"), dumps({"name": "fam:*", "description": "a family", "route": "fam", "family": "fam",
+                                          "members": ["fam:alpha", "fam:beta"], "registered_by": "tests"}))
+    envs = (await api.client.get("/v1/envs")).json()["envs"]
+    assert [e["name"] for e in envs] == ["echo", "fam:*"] and envs[1]["members"] == ["fam:alpha", "fam:beta"]
+    r = await api.client.post("/v1/batches", json=body(env="fam:beta", group_size=1))
+    assert r.status_code == 201, r.text
+    batch_id = r.json()["batch_id"]
+    # no live env worker has fam:beta: the batch shows its episodes wait, and fails none
+    info = (await api.client.get(f"/v1/batches/{batch_id}")).json()
+    assert info["waiting_for_env"] == {"fam:beta": 3} and info["counts"]["failed"] == 0
+    items = await work_items(api.js, 3, route="fam")
+    assert {ev.env for ev in items} == {"fam:beta"} and len(items) == 3
+    r = await api.client.post("/v1/batches", json=body(env="fam:zeta"))
+    assert r.status_code == 400 and "unknown env 'fam:zeta'" in r.json()["detail"]
 
 
 async def test_oversized_batch_is_413_with_the_limit(nats_url: str, database_url: str, nc: bus.NATS) -> None:

@@ -148,3 +148,77 @@ def test_fair_slots_respect_the_fetch_batch() -> None:
     slots = FairSlots(capacity=100, batch=5, in_use=lambda: 0)
     slots.settle("a", slots.grant("a"), 1)
     assert slots.grant("a") == 5
+
+
+def test_probes_hold_at_most_half_the_slots_when_routes_outnumber_them() -> None:
+    """A worker with more routes than slots: idle routes' probes take half the slots at most, so a route with
+    work still gets the other half."""
+    held = [0]
+    slots = FairSlots(capacity=4, batch=64, in_use=lambda: held[0])
+    assert [slots.grant(r) for r in ("a", "b", "c", "d", "e")] == [1, 1, 0, 0, 0]
+    slots.settle("a", 1, 1)  # a's probe found work
+    held[0] += 1
+    assert slots.grant("a") == 2, "the slots neither running nor probing"
+    slots.settle("b", 1, 0)
+    assert slots.grant("c") == 1, "b's probe ended: the next route probes"
+
+
+async def test_a_notify_before_the_wait_starts_is_not_lost() -> None:
+    slots = FairSlots(capacity=1, batch=1, in_use=lambda: 0)
+    assert slots.grant("a") == 1 and slots.grant("b") == 0
+    changed = slots.changed()  # b takes it at once, then its wait starts later (another task settles first)
+    slots.settle("a", 1, 0)
+    assert changed.is_set()
+    assert slots.grant("b") == 1
+
+
+async def test_a_busy_route_among_more_idle_routes_than_slots_is_served() -> None:
+    """The pull loop of env_worker/worker.py on FairSlots, with fake pulls: 8 routes, 4 slots, work on the last
+    route only. Probes take turns (first come first served), so the busy route is found and drained."""
+    import asyncio
+
+    from rollout_ledger.services.env_worker.worker import _first
+
+    tasks: set[asyncio.Task[None]] = set()
+    slots = FairSlots(capacity=4, batch=1, in_use=lambda: len(tasks))
+    queued = {f"r{i}": 0 for i in range(8)} | {"r7": 30}
+    stop = asyncio.Event()
+    peak = [0]
+
+    async def fetch(route: str, n: int) -> int:
+        if queued[route]:
+            k = min(n, queued[route])
+            queued[route] -= k
+            return k
+        await asyncio.sleep(0.01)  # an empty pull waits (fetch_timeout_s)
+        return 0
+
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        slots.notify()
+
+    async def pull(route: str) -> None:
+        while not stop.is_set():
+            granted = slots.grant(route)
+            if granted <= 0:
+                changed = slots.changed()
+                await _first(changed.wait(), stop.wait())
+                continue
+            got = await fetch(route, granted)
+            for _ in range(got):
+                task = asyncio.create_task(asyncio.sleep(0.005))
+                tasks.add(task)
+                task.add_done_callback(done)
+            peak[0] = max(peak[0], len(tasks))
+            slots.settle(route, granted, got)
+            if not got:
+                await asyncio.sleep(0)
+
+    pullers = [asyncio.create_task(pull(r)) for r in queued]
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if not queued["r7"] and not tasks:
+            break
+    stop.set()
+    await asyncio.gather(*pullers)
+    assert queued["r7"] == 0 and peak[0] <= 4
