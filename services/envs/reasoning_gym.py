@@ -8,7 +8,8 @@ imported once at start to read its registry) and imports it on the first ``rg:``
 loop never stalls on a slow generator, and the library, which was not written for threads, only ever sees one.
 Datasets are built once per (dataset, config, seed) and kept in an LRU, entries in a second LRU (the members of
 a GRPO group share their entry); entry ``index`` of a dataset is ``dataset[index]``, which the library generates
-from ``Random(seed + index)``: the same task gives the same question in every worker.
+from ``Random(seed + index)``: the same task gives the same question in every worker. A task may ask for ``shots``:
+solved examples of the same dataset before its question, which teach a small model the ``<answer>`` format.
 """
 
 from __future__ import annotations
@@ -69,7 +70,14 @@ then the final answer alone inside ``<answer>...</answer>``."""
 ENTRY_CACHE = 1024
 """Generated entries kept per worker (a GRPO group's members reuse their task's entry)."""
 
-TASK_KEYS = ("config", "seed", "index", "system_prompt")
+MAX_SHOTS = 8
+"""Solved examples a task may ask for (``shots``)."""
+
+SHOT_SEED = 1_000_003
+"""The examples of a task with seed ``s`` are entries ``0..shots-1`` of the same dataset and config at seed
+``s + SHOT_SEED`` (another generator stream than the tasks'; the same examples for every task of a batch)."""
+
+TASK_KEYS = ("config", "seed", "index", "system_prompt", "shots")
 
 COMPOSITE_EXAMPLE: dict[str, Any] = {"datasets": [
     {"name": "basic_arithmetic", "weight": 1.0, "config": {}},
@@ -153,6 +161,9 @@ class RgTask:
     seed: int
     index: int
     system_prompt: str
+    shots: int = 0
+    """Solved examples from the same dataset shown before the question (user question, assistant
+    ``<answer>...</answer>``): small models learn the answer format from them."""
 
     @property
     def config_key(self) -> str:
@@ -180,8 +191,15 @@ class RgTask:
         prompt = task.get("system_prompt", DEFAULT_SYSTEM_PROMPT)
         if not isinstance(prompt, str):
             raise TaskError(f"task field 'system_prompt' must name a reasoning-gym system prompt, got {prompt!r}")
+        shots = _natural(task, "shots")
+        if shots > MAX_SHOTS:
+            raise TaskError(f"task field 'shots' is at most {MAX_SHOTS}, got {shots}")
         return cls(dataset=dataset, config=config, seed=_natural(task, "seed"), index=_natural(task, "index"),
-                   system_prompt=prompt)
+                   system_prompt=prompt, shots=shots)
+
+    def shot_task(self, index: int) -> RgTask:
+        """Solved example ``index`` of this task (see ``SHOT_SEED``)."""
+        return dataclasses.replace(self, seed=(self.seed + SHOT_SEED) % 2**32, index=index, shots=0)
 
 
 def _natural(task: dict[str, Any], key: str) -> int:
@@ -221,9 +239,10 @@ class RgLibrary:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reasoning-gym")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def prompt(self, task: RgTask) -> tuple[str, dict[str, Any]]:
-        """The system prompt and the entry (question, answer, metadata) of ``task``."""
-        result: tuple[str, dict[str, Any]] = await self._call(self._prompt, task)
+    async def prompt(self, task: RgTask) -> tuple[list[Message], dict[str, Any]]:
+        """The prompt (system prompt, solved examples, question) and the entry (question, answer, metadata) of
+        ``task``."""
+        result: tuple[list[Message], dict[str, Any]] = await self._call(self._prompt, task)
         return result
 
     async def score(self, task: RgTask, entry: dict[str, Any], completion: str) -> Scored:
@@ -237,12 +256,21 @@ class RgLibrary:
             self._pool = None
 
     # --- on the library's thread ---------------------------------------------------------------------
-    def _prompt(self, task: RgTask) -> tuple[str, dict[str, Any]]:
+    def _prompt(self, task: RgTask) -> tuple[list[Message], dict[str, Any]]:
         prompts = importlib.import_module("reasoning_gym.utils").SYSTEM_PROMPTS
         if task.system_prompt not in prompts:
             raise TaskError(f"unknown system_prompt {task.system_prompt!r}; reasoning-gym has "
                             f"{', '.join(sorted(prompts))}")
-        return prompts[task.system_prompt], self._entry(task)
+        entry = self._entry(task)
+        messages: list[Message] = [{"role": "system", "content": prompts[task.system_prompt]}]
+        for i in range(task.shots):
+            shot = self._entry(task.shot_task(i))
+            if shot.get("answer") is None:
+                raise TaskError(f"{PREFIX}{task.dataset} has no reference answers to show as shots")
+            messages += [{"role": "user", "content": str(shot["question"])},
+                         {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"}]
+        messages.append({"role": "user", "content": str(entry["question"])})
+        return messages, entry
 
     def _entry(self, task: RgTask) -> dict[str, Any]:
         dataset = self._dataset(task)  # built or refreshed in its LRU even on an entry hit: step scores with it
@@ -319,8 +347,8 @@ class ReasoningGymEnv(Env):
 
     async def reset(self, task: dict[str, Any]) -> list[Message]:
         self._task = RgTask.parse(self.dataset, task)
-        system, self._entry = await self.library.prompt(self._task)
-        return [{"role": "system", "content": system}, {"role": "user", "content": str(self._entry["question"])}]
+        messages, self._entry = await self.library.prompt(self._task)
+        return messages
 
     async def step(self, action: str) -> StepResult:
         if self._task is None or self._entry is None:

@@ -128,7 +128,27 @@ async def test_config_seed_and_composite() -> None:
     library.close()
 
 
+async def test_shots_are_solved_examples_of_the_same_dataset() -> None:
+    library = RgLibrary()
+    config = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
+    env = ReasoningGymEnv("basic_arithmetic", library)
+    messages = await env.reset({"config": config, "seed": 3, "index": 5, "shots": 2})
+    _, entry = library_entry("basic_arithmetic", 5, seed=3, **config)
+    shots = reasoning_gym.create_dataset("basic_arithmetic", seed=3 + rg.SHOT_SEED, **config)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert messages[1:5] == [{"role": "user", "content": shots[0]["question"]},
+                             {"role": "assistant", "content": f"<answer>{shots[0]['answer']}</answer>"},
+                             {"role": "user", "content": shots[1]["question"]},
+                             {"role": "assistant", "content": f"<answer>{shots[1]['answer']}</answer>"}]
+    assert messages[-1]["content"] == entry["question"]
+    assert (await env.step(f"<answer>{entry['answer']}</answer>")).reward == 1.0
+    with pytest.raises(TaskError, match="has no reference answers to show as shots"):
+        await ReasoningGymEnv("rush_hour", library).reset({"shots": 1})
+    library.close()
+
+
 @pytest.mark.parametrize(("task", "message"), [
+    ({"shots": 9}, "'shots' is at most 8"),
     ({"config": {"no_such_knob": 1}}, "no config field(s) 'no_such_knob'; its fields: "),
     ({"config": {"min_terms": 0}}, "refused its config: AssertionError"),
     ({"config": {"size": 5}, "index": 5}, "index 5 is out of range for rg:basic_arithmetic of size 5"),
