@@ -147,7 +147,6 @@ class EnvWorkerSettings(ConsumerSettings):
         parse_env_classes(v)  # EnvClassError names the malformed entry
         return v
 
-
     # --- OpenEnv servers (services/envs/openenv_remote.py) -----------------------------------------------
     openenv_envs: str = ""
     """OpenEnv environment servers, ``name=url[;option=value...],...``: each is registered as the env

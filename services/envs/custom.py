@@ -11,15 +11,12 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rollout_ledger.services.envs.base import Env, EnvContext, EnvSpec, Message, StepResult
 from rollout_ledger.services.envs.builtins import builtin_registry
 from rollout_ledger.shared.errors import EnvError
 from rollout_ledger.shared.kit.logging import get_logger
-
-if TYPE_CHECKING:
-    from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 
 log = get_logger(__name__)
 
@@ -29,6 +26,13 @@ ENTRY_POINT_GROUP = "rollout_ledger.envs"
 ``module:Class``."""
 RESERVED_PREFIXES = ("rg:", "tau2:", "openenv:", "remote:")
 """Names of the library env families; a user env cannot take one."""
+
+
+class CustomSettings(Protocol):
+    """What ``specs`` reads of the env worker's settings (``EnvWorkerSettings``; a protocol, so that the settings
+    module can import this one to check its values)."""
+
+    env_classes: str
 
 
 class EnvClassError(ValueError):
@@ -291,7 +295,7 @@ def load_user_classes(value: str) -> list[UserClass]:
     return loaded
 
 
-def specs(settings: EnvWorkerSettings) -> list[EnvSpec]:
+def specs(settings: CustomSettings) -> list[EnvSpec]:
     """The envs of ``settings.env_classes`` and of the ``rollout_ledger.envs`` entry points."""
     users = load_user_classes(settings.env_classes)
     if users:

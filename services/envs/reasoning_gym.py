@@ -23,13 +23,10 @@ import json
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult, TaskError
 from rollout_ledger.shared.kit.logging import get_logger
-
-if TYPE_CHECKING:
-    from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 
 log = get_logger(__name__)
 
@@ -84,6 +81,14 @@ COMPOSITE_EXAMPLE: dict[str, Any] = {"datasets": [
     {"name": "chain_sum", "weight": 1.0, "config": {}},
 ]}
 """The ``composite`` dataset mixes others and has no default mix."""
+
+
+class RgSettings(Protocol):
+    """What ``specs`` reads of the env worker's settings (``EnvWorkerSettings``; a protocol, so that the settings
+    module can import this one to check its values)."""
+
+    rg_datasets: str
+    rg_cache_size: int
 
 
 class RgSettingsError(ValueError):
@@ -380,7 +385,7 @@ def spec(dataset: str, library: RgLibrary) -> EnvSpec:
     )
 
 
-def specs(settings: EnvWorkerSettings) -> list[EnvSpec]:
+def specs(settings: RgSettings) -> list[EnvSpec]:
     """One ``rg:<dataset>`` env per dataset ``settings.rg_datasets`` enables, sharing one ``RgLibrary``."""
     names = enabled_datasets(settings.rg_datasets)
     if not names:
