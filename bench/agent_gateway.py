@@ -211,8 +211,7 @@ def run_ours(shapes: list[tuple[int, int]], processes: int, latency_dir: str) ->
 
         def cpu() -> dict[str, float]:
             out = _cpu(pids)
-            agents = _cpu({str(p): p for p in agent_pids})
-            out["agents"] = sum(agents.values())
+            out["agents"] = sum(_cpu({str(p): p for p in agent_pids}).values())  # 0 processes: in the env worker
             out["env-worker-0"] -= out["agents"]  # its children are the agent processes
             return out
 
@@ -321,15 +320,28 @@ async def _drive_gateway(shapes: list[tuple[int, int]], processes: int, latency_
     import uuid
 
     from rollout_ledger.services.env_worker.sessions.agent_pool import AgentPool
-    from rollout_ledger.services.env_worker.sessions.agent_run import AgentRun, RunEnd
+    from rollout_ledger.services.env_worker.sessions.agent_run import (
+        AgentRun,
+        RunEnd,
+        RunOutcome,
+        load_agent,
+        run_agent,
+        shared_http_client,
+    )
 
     count, data = "select count(*) from traces", "select coalesce(sum(length(data)), 0) from traces"
-    pool = await AgentPool("bench=bench.agent_gateway:agent", processes).start()
+    pool = await AgentPool("bench=bench.agent_gateway:agent", processes).start() if processes else None
+    spec = load_agent("bench", "bench.agent_gateway:agent")
+    http = shared_http_client()
 
     def cpu() -> dict[str, float]:
         out = _cpu(pids)
-        out["agents"] = sum(_cpu({str(p): p for p in pool.pids()}).values())
+        agent_pids = pool.pids() if pool is not None else [os.getpid()]  # 0: the agents run in this process
+        out["agents"] = sum(_cpu({str(p): p for p in agent_pids}).values())
         return out
+
+    async def run_one(run: AgentRun) -> RunOutcome:
+        return await (pool.run(run) if pool is not None else run_agent(spec, run, http))
 
     async def batch(sessions: int, turns: int) -> float:
         before = await asyncio.to_thread(_sqlite, db, count)
@@ -337,7 +349,7 @@ async def _drive_gateway(shapes: list[tuple[int, int]], processes: int, latency_
         runs = [AgentRun(agent="bench", task={"turns": turns}, api_key="unused", timeout_s=0,
                          base_url=f"http://127.0.0.1:{gw_port}/sessions/{uuid.uuid4().hex}/v1")
                 for _ in range(sessions)]
-        outcomes = await asyncio.gather(*(pool.run(r) for r in runs))
+        outcomes = await asyncio.gather(*(run_one(r) for r in runs))
         bad = [o for o in outcomes if o.end is not RunEnd.RETURNED]
         assert not bad, bad[0]
         # the gateway stores each call after answering it: wait until all are in its file
@@ -361,7 +373,9 @@ async def _drive_gateway(shapes: list[tuple[int, int]], processes: int, latency_
                                     extra))
             print(json.dumps(results[-1]), flush=True)
     finally:
-        await pool.stop()
+        if pool is not None:
+            await pool.stop()
+        await http.shutdown()
     return results
 
 
@@ -378,7 +392,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--processes", type=int, default=2, help="agent processes on both sides")
+    parser.add_argument("--processes", type=int, default=2,
+                        help="agent processes on both sides (0: ours in the env worker, theirs in this process)")
     parser.add_argument("--only", choices=["ours", "gateway"], default=None)
     parser.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default="", help=argparse.SUPPRESS)

@@ -119,8 +119,10 @@ class AgentProcess:
                                              f"{how} before the agent returned"))
 
     def submit(self, rid: int, run: AgentRun) -> asyncio.Future[RunOutcome]:
-        assert self.writer is not None
         future: asyncio.Future[RunOutcome] = asyncio.get_running_loop().create_future()
+        if not self.alive or self.writer is None:  # the pool picks live processes; this is a guard
+            future.set_result(RunOutcome(RunEnd.LOST, message=f"the agent process (pid {self.pid}) is gone"))
+            return future
         self.pending[rid] = future
         self.writer.write(frame({"op": "run", "id": rid, "run": run.wire()}))
         return future
