@@ -50,8 +50,10 @@ def test_rg_and_user_class_batches_through_a_stack(stack: Stack, database_url: s
     stack.start("recorder")
     url = stack.start("scheduler").url
     listed = httpx.get(f"{url}/v1/envs", headers=AUTH, timeout=10).json()
-    text = repr(listed)
-    assert "rg:" in text and "'adder'" in text and "'guess'" in text
+    envs = {e["name"]: e for e in listed["envs"]}  # the rg family is one entry listing its members
+    assert {"rg:*", "adder", "guess"} <= set(envs) and not any(n.startswith("rg:") and n != "rg:*" for n in envs)
+    assert envs["rg:*"]["members"] == ["rg:basic_arithmetic", "rg:chain_sum"]
+    assert envs["guess"]["example_task"] == {"seed": 1, "high": 10, "tries": 6} and not envs["adder"]["multi_turn"]
 
     rg_tasks = [{"seed": 0, "index": i} for i in range(8)]
     rg_batch = submit_and_wait(url, env="rg:basic_arithmetic", tasks=rg_tasks, group_size=2, max_turns=1,
