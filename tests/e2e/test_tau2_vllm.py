@@ -24,12 +24,12 @@ def test_tau2_batch_on_the_real_model(stack: Stack, database_url: str, model_dir
                                       vllm_worker: InProcessWorker) -> None:
     unrecorded_before = metric(vllm_worker.url, "rollout_inference_unrecorded_total")
     stack.start("env-worker", ROLLOUT_MAX_MODEL_LEN=str(E2E_MAX_MODEL_LEN), ROLLOUT_TAU2_DOMAINS="mock",
-                ROLLOUT_TAU2_USER_MAX_TOKENS="24")
+                ROLLOUT_TAU2_USER_MAX_TOKENS="16")
     stack.start("recorder")
     url = stack.start("scheduler").url
     resp = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
         "env": "tau2:mock", "tasks": [{"task_id": "create_task_1"}, {"task_id": "update_task_1"}], "group_size": 2,
-        "max_turns": 3, "sampling": {"temperature": 1.0, "max_tokens": 32, "seed": 7}})
+        "max_turns": 2, "sampling": {"temperature": 1.0, "max_tokens": 32, "seed": 7}})
     assert resp.status_code == 201, resp.text
     batch_id = resp.json()["batch_id"]
     wait_for(lambda: httpx.get(f"{url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()["done"], 240,
