@@ -2,11 +2,12 @@
 workers, its generations answered but never recorded as the policy's turns.
 
 ``chat`` renders the messages with the chat template of the pool's model (the policy's tokenizer unless the pool
-has its own), sends one ``InferenceRequested`` with ``record=False`` over NATS and decodes the sampled ids. Pool ``""``
-(or ``policy``) goes through the worker's ``InferenceClient`` like a turn (least-loaded live policy worker, retries
-on another); a named pool goes to ``infer_pool_subject(pool)``, whose workers (``ROLLOUT_POOL=<pool>``) answer it from
-a queue group, with the same retry budget. The text reaches the trajectory only as the environment's observation
-(tokenized by the driver like any env message, loss mask 0).
+has its own), sends one ``InferenceRequested`` with ``record=False`` over NATS and decodes the sampled ids. Pool
+``""`` (or ``policy``) goes through the worker's ``InferenceClient`` like a turn: to the worker that served the
+episode's previous request while it is live and has room (its prefix cache holds the conversation), else the least
+loaded, retried on another. A named pool goes to ``infer_pool_subject(pool)``, whose workers (``ROLLOUT_POOL=<pool>``)
+answer it from a queue group, with the same retry budget. The text reaches the trajectory only as the environment's
+observation (tokenized by the driver like any env message, loss mask 0).
 
 The request carries the episode's ids for the logs only (it is not stored): they are read from the log context the
 driver binds for the episode (``episode_id``, ``batch_id``, ``attempt``), since ``EnvLLM.chat`` takes none.
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
+STICKY_EPISODES = 4096
+"""Episodes whose last policy worker is remembered, so that their next request goes to the same worker."""
+
 
 class ServedEnvLLM:
     """``EnvLLM`` over NATS: the policy's workers through ``client``, or a named model pool."""
@@ -51,6 +56,9 @@ class ServedEnvLLM:
         self.produced_by = produced_by
         self._run = uuid.uuid4().hex[:8]
         self._count = itertools.count()
+        self._last_worker: OrderedDict[str, str] = OrderedDict()
+        """Episode id -> the policy worker that served its previous request (its prefix cache holds the user's
+        conversation so far); the ``STICKY_EPISODES`` most recent episodes."""
 
     @classmethod
     def from_settings(cls, settings: EnvWorkerSettings, nc: NATS, tokenizer: ChatTokenizer) -> ServedEnvLLM:
@@ -95,7 +103,11 @@ class ServedEnvLLM:
                                       sampling=sampling, max_tokens=max_tokens, reply_seq=0, record=False, **common)
 
         if pool in ("", POLICY_POOL):
-            turn = await self.client.generate(build)
+            turn = await self.client.generate(build, prefer=self._last_worker.get(episode_id))
+            self._last_worker[episode_id] = turn.worker_id
+            self._last_worker.move_to_end(episode_id)
+            if len(self._last_worker) > STICKY_EPISODES:
+                self._last_worker.popitem(last=False)
         else:
             turn = await self._generate_in_pool(pool, build)
         text = tok.decode(turn.token_ids, skip_special_tokens=True)
