@@ -7,9 +7,8 @@ shared by every worker that has the route, so a worker is only ever handed episo
 no live worker has stay on the work queue (work-queue retention keeps what no consumer took) until one starts.
 
 A worker pulls from one consumer per route and from the legacy consumer (the previous release's single subject).
-``FairSlots`` bounds the items it holds by its free slots and splits them fairly: a route whose last pull came back
-empty asks for one item (a probe, so an idle route costs one slot at most), the routes that found work share the
-free slots evenly.
+``FairSlots`` bounds the items it asks for by its free slots and splits them fairly: a route whose last pull came back
+empty keeps a one-item probe open, the routes that found work share the free slots evenly.
 """
 
 from __future__ import annotations
@@ -117,10 +116,12 @@ async def report_forever(js: JetStreamContext, report: WorkerReport, stop: async
 class FairSlots:
     """How many work items each route's puller may ask for now (see the module docstring).
 
-    ``in_use()`` counts the items this worker holds (running or waiting at its gates); ``reserved`` counts items
-    asked for by pulls still in flight. No pull asks for more than ``capacity - in_use - reserved``. Probes (the
-    one-item pulls of routes that found nothing last time) hold at most half the capacity at once, so the routes
-    that have work always get slots, even when a worker has more routes than slots.
+    ``in_use()`` counts the items this worker holds (running or waiting at its gates). A route that found work last
+    time ("hungry") asks for its even share of the slots neither running nor asked for by another hungry route's
+    pull in flight. A route that found nothing keeps one probe open (a pull of one item, waiting ``fetch_timeout_s``)
+    while any slot is free, so a route whose work arrives is found at once. Probes do not hold slots back from the
+    hungry routes: when probes and hungry pulls deliver together the worker holds at most ``capacity`` plus one item
+    per other route (a worker with one route never exceeds ``capacity``).
     """
 
     def __init__(self, capacity: int, batch: int, in_use: Callable[[], int]) -> None:
@@ -128,12 +129,9 @@ class FairSlots:
         self.batch = batch
         self.in_use = in_use
         self.reserved = 0
-        self.probing = 0
-        """Of ``reserved``: slots held by probes."""
-        self.max_probing = max(1, capacity // 2)
-        self.probe_queue: list[str] = []
-        """Routes waiting for a probe, first come first served (a route whose probe just came back empty does not
-        take the next one before the routes already waiting)."""
+        """Items asked for by hungry routes' pulls in flight."""
+        self.probing: set[str] = set()
+        """Routes whose probe is in flight."""
         self.hungry: set[str] = set()
         """Routes whose last pull brought work (they may have more)."""
         self._changed = asyncio.Event()
@@ -142,32 +140,25 @@ class FairSlots:
         return self.capacity - self.in_use() - self.reserved
 
     def grant(self, route: str) -> int:
-        """Reserve and return how many items ``route`` may pull now: 0 when no slot is free (or, for a probe, when
-        probes hold their half already or other routes wait for one before it); 1 for a route that found nothing
-        last time; else its even share of the slots neither running an episode nor probing, bounded by what is free
-        and by ``batch``."""
+        """Reserve and return how many items ``route`` may pull now: 0 when no slot is free; 1 (a probe) for a route
+        that found nothing last time; else its even share of the free slots, at least 1, at most ``batch``."""
         free = self.free()
-        if route not in self.hungry:
-            if route not in self.probe_queue:
-                self.probe_queue.append(route)
-            if free <= 0 or self.probing >= self.max_probing or self.probe_queue[0] != route:
-                return 0
-            self.probe_queue.pop(0)
-            self.probing += 1
-            n = 1
-        elif free <= 0:
+        if free <= 0:
             return 0
-        else:
-            share = math.ceil(max(0, self.capacity - self.in_use() - self.probing) / len(self.hungry))
-            n = max(1, min(share, free, self.batch))
+        if route not in self.hungry:
+            self.probing.add(route)
+            return 1
+        share = math.ceil(max(0, self.capacity - self.in_use()) / len(self.hungry))
+        n = max(1, min(share, free, self.batch))
         self.reserved += n
         return n
 
     def settle(self, route: str, granted: int, got: int) -> None:
         """The pull of ``granted`` items came back with ``got`` (the caller counted them into ``in_use`` already)."""
-        self.reserved -= granted
-        if route not in self.hungry:
-            self.probing -= 1
+        if route in self.probing:
+            self.probing.discard(route)
+        else:
+            self.reserved -= granted
         if got > 0:
             self.hungry.add(route)
         else:
@@ -175,7 +166,7 @@ class FairSlots:
         self.notify()
 
     def notify(self) -> None:
-        """A slot came free (or a reservation was settled): wake the routes waiting for one."""
+        """A slot came free (or a pull came back): wake the routes waiting for one."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 

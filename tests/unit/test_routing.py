@@ -114,14 +114,14 @@ def test_served_means_a_live_worker_runs_the_env() -> None:
 def test_fair_slots_never_ask_for_more_than_is_free() -> None:
     held = [0]
     slots = FairSlots(capacity=8, batch=64, in_use=lambda: held[0])
-    # nothing found yet: every route probes with one item
+    # nothing found yet: every route keeps a probe of one item open
     assert [slots.grant(r) for r in ("a", "b", "c")] == [1, 1, 1]
-    assert slots.free() == 5
+    assert slots.free() == 8, "probes hold no slot back"
     slots.settle("a", 1, 1)
     held[0] += 1  # a's item runs
     slots.settle("b", 1, 0)
     slots.settle("c", 1, 0)
-    # a found work: it may take the rest, minus nothing (b and c are idle)
+    # a found work: it may take every free slot (b and c are idle)
     assert slots.grant("a") == 7 and slots.grant("b") == 0, "no slot left for b's probe"
     slots.settle("a", 7, 7)
     held[0] += 7
@@ -139,9 +139,9 @@ def test_fair_slots_share_evenly_between_busy_routes() -> None:
     slots.settle("a", a, 0)
     slots.settle("b", b, b)
     held[0] += b
-    # a came back empty: it probes with one; b takes its even share of what does not run
+    # a came back empty: it probes again; b takes the free slots
     assert slots.grant("a") == 1
-    assert slots.grant("b") == 64 - held[0] - 1
+    assert slots.grant("b") == 64 - held[0]
 
 
 def test_fair_slots_respect_the_fetch_batch() -> None:
@@ -150,24 +150,24 @@ def test_fair_slots_respect_the_fetch_batch() -> None:
     assert slots.grant("a") == 5
 
 
-def test_probes_hold_at_most_half_the_slots_when_routes_outnumber_them() -> None:
-    """A worker with more routes than slots: idle routes' probes take half the slots at most, so a route with
-    work still gets the other half."""
+def test_idle_routes_probes_do_not_hold_slots_from_a_busy_route() -> None:
+    """A worker with more routes than slots: every idle route probes, and a route with work still gets every slot
+    that does not run an episode."""
     held = [0]
     slots = FairSlots(capacity=4, batch=64, in_use=lambda: held[0])
-    assert [slots.grant(r) for r in ("a", "b", "c", "d", "e")] == [1, 1, 0, 0, 0]
+    assert [slots.grant(r) for r in ("a", "b", "c", "d", "e", "f")] == [1] * 6
     slots.settle("a", 1, 1)  # a's probe found work
     held[0] += 1
-    assert slots.grant("a") == 2, "the slots neither running nor probing"
-    slots.settle("b", 1, 0)
-    assert slots.grant("c") == 1, "b's probe ended: the next route probes"
+    assert slots.grant("a") == 3
 
 
 async def test_a_notify_before_the_wait_starts_is_not_lost() -> None:
-    slots = FairSlots(capacity=1, batch=1, in_use=lambda: 0)
-    assert slots.grant("a") == 1 and slots.grant("b") == 0
-    changed = slots.changed()  # b takes it at once, then its wait starts later (another task settles first)
-    slots.settle("a", 1, 0)
+    held = [1]
+    slots = FairSlots(capacity=1, batch=1, in_use=lambda: held[0])
+    assert slots.grant("b") == 0
+    changed = slots.changed()  # b takes it at once; its wait starts later, after the running episode ended
+    held[0] = 0
+    slots.notify()
     assert changed.is_set()
     assert slots.grant("b") == 1
 
