@@ -22,7 +22,7 @@ import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from rollout_ledger.shared.errors import BusError, NewerContractError, SchemaError, StoreError
 from rollout_ledger.shared.events import EpisodeFailed, EpisodeRequested, FailureClass, decode, decode_as
@@ -48,6 +48,10 @@ from .settings import RecorderSettings
 from .store import DeadLetter, Store
 
 log = get_logger(__name__)
+
+_NO_MESSAGE_FOUND = 10057
+"""JetStream's error code for a message delete of a sequence that is gone (nats-py raises a ServerError, not a
+NotFoundError): a replayed advisory whose item was deleted already."""
 
 WORK_QUEUE_SOURCE = "work-queue"
 """``dead_letters.source`` of work items whose env workers kept dying."""
@@ -319,7 +323,8 @@ class AdvisoryConsumer:
         reason = (f"env worker died {deliveries} times running this episode: the work item was delivered "
                   f"{deliveries} times without an ack (max deliveries reached)")
         async with self.store.transaction() as tx:
-            stored = await tx.dead_letter_payload(WORK_QUEUE_SOURCE, seq)  # a replayed advisory: already stored
+            # a replayed advisory: the item is stored already (from this consumer's subject: another's is no replay)
+            stored = await tx.dead_letter_payload(WORK_QUEUE_SOURCE, seq, work_subject)
         if stored is not None:
             payload = stored
         else:
@@ -360,6 +365,9 @@ class AdvisoryConsumer:
             await self.js.delete_msg(stream, seq)
         except NotFoundError:
             pass  # already deleted (a replayed advisory)
+        except APIError as exc:
+            if exc.err_code != _NO_MESSAGE_FOUND:  # JetStream answers "no message found" for a deleted one
+                raise BusError(f"cannot delete work item {stream}#{seq}: {exc}") from exc
         except Exception as exc:
             raise BusError(f"cannot delete work item {stream}#{seq}: {exc}") from exc
         await msg.ack()

@@ -310,10 +310,10 @@ class Tx:
                   r.produced_at) for r in rows],
             )
 
-    async def dead_letter_payload(self, source: str, stream_seq: int) -> bytes | None:
+    async def dead_letter_payload(self, source: str, stream_seq: int, subject: str) -> bytes | None:
         async with self.pg.cursor() as cur:
-            await cur.execute("SELECT payload FROM dead_letters WHERE source = %s AND stream_seq = %s",
-                              (source, stream_seq))
+            await cur.execute("SELECT payload FROM dead_letters WHERE source = %s AND stream_seq = %s AND subject = %s",
+                              (source, stream_seq, subject))
             row = await cur.fetchone()
         return bytes(row[0]) if row else None
 

@@ -11,13 +11,23 @@ import asyncio
 from typing import Any
 
 import httpx
+import orjson
 
 from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.shared.events import encode
 from rollout_ledger.shared.kit import bus
-from rollout_ledger.shared.subjects import ENV_WORKERS_BUCKET, ENVS_BUCKET, WORK_STREAM, work_consumer
+from rollout_ledger.shared.subjects import (
+    ENV_WORKERS_BUCKET,
+    ENVS_BUCKET,
+    WORK_STREAM,
+    work_consumer,
+    work_max_deliveries_advisory,
+    work_subject,
+)
 from tests.helpers import AUTH, Sql, until
 from tests.integration.test_env_worker import work_item
-from tests.integration.test_recorder import seed_episodes
+from tests.integration.test_recorder import drained, episode_events, publish, recorder, seed_episodes, settings_for
+from tests.integration.test_recorder import until as until_awaited
 
 FINISHED = {"completed", "truncated"}
 
@@ -100,9 +110,9 @@ async def test_episodes_go_only_to_workers_that_have_their_env(stack: Stack, nc:
 
             # 3. items a previous release queued on the single subject still run, each on a worker with its env
             #    (a worker without it hands the item back without spending a delivery)
-            legacy = [work_item(env, task, batch_id=f"legacy{n}")
-                      for n, (env, task) in enumerate((("arithmetic", {"a": 2, "b": 3, "op": "+"}),
-                                                       ("guess-number", {"target": 7, "low": 1, "high": 10})) * 2)]
+            tasks: list[tuple[str, dict[str, Any]]] = [("arithmetic", {"a": 2, "b": 3, "op": "+"}),
+                                                       ("guess-number", {"target": 7, "low": 1, "high": 10})]
+            legacy = [work_item(env, task, batch_id=f"legacy{n}") for n, (env, task) in enumerate(tasks * 2)]
             for item in legacy:
                 seed_episodes(sql, item.batch_id, env=item.env)
                 await bus.publish_event(js, item)  # no route: the legacy subject rl.work.episodes
@@ -122,5 +132,53 @@ async def test_episodes_go_only_to_workers_that_have_their_env(stack: Stack, nc:
         assert {(await reports.get(k)).key for k in ("env-arith", "env-guess-2")} == {"env-arith", "env-guess-2"}
         assert b'"routes":["guess-number"]' in ((await reports.get("env-guess-2")).value or b"")
         assert (await (await js.key_value(ENVS_BUCKET)).get("arithmetic")).value is not None
+    finally:
+        sql.close()
+
+
+async def test_a_route_consumers_max_deliveries_advisory_fails_the_episode_and_forgeries_do_not(
+        nc: bus.NATS, nats_url: str, database_url: str) -> None:
+    """The recorder acts on the max-deliveries advisory of a route's consumer (``env-workers-<token>``) as on the
+    legacy one's, and stays strict: an advisory whose subject, consumer and message subject do not agree is refused."""
+    sql = Sql(database_url)
+    try:
+        route = "remote:echo"  # a route whose token is escaped (remote=3Aecho)
+        [ep] = seed_episodes(sql, "adv", env=route)
+        js = nc.jetstream()
+        await bus.ensure_consumer(js, bus.work_consumer_spec(ack_wait_s=30, max_deliver=2, max_ack_pending=10,
+                                                             route=route))
+        await bus.ensure_consumer(js, bus.work_consumer_spec(ack_wait_s=30, max_deliver=2, max_ack_pending=10,
+                                                             route="arithmetic"))
+        item = work_item(route, {"q": 1}, batch_id="adv")
+        await bus.publish_event(js, item, route=route)
+        work = await js.pull_subscribe_bind(work_consumer(route), WORK_STREAM)
+        await publish(nc, episode_events(ep, [([3], [])], terminal=False)[:1])  # attempt 1 started
+        for _ in range(2):  # two env workers "die": each delivery handed back without an ack
+            [msg] = await work.fetch(1, timeout=5)
+            assert msg.subject == work_subject(route)
+            await msg.nak()
+        assert await bus.fetch(work, 1, 0.5) == []  # a third pull makes the server give up on the item
+        # forgeries (NATS refuses them from service users; here the test's own user writes them): the consumer named
+        # in the body is not the subject's, or is a route's whose subject is not the item's
+        other = work_consumer("arithmetic")
+        for subject, body in ((work_max_deliveries_advisory(other), {"consumer": work_consumer(route)}),
+                              (work_max_deliveries_advisory(other), {"consumer": other}),
+                              (work_max_deliveries_advisory("env-workers-remote=3aecho"),
+                               {"consumer": "env-workers-remote=3aecho"})):
+            await js.publish(subject, orjson.dumps({"stream": WORK_STREAM, "stream_seq": 1, "deliveries": 2, **body}))
+        async with recorder(settings_for(nats_url, database_url)):
+            await until(lambda: sql.scalar("select status from episodes") == "failed", 20, "episode failed")
+            await until(lambda: sql.scalar("select count(*) from dead_letters") == 4, 20, "letters")
+            await until_awaited(lambda: drained(nc), 10, "drained")
+        row = sql.rows("select failure_class, failure_reason, attempt from episodes")[0]
+        assert row["failure_class"] == "infra" and "died 2 times" in row["failure_reason"] and row["attempt"] == 2
+        letters = sql.rows("select source, subject, reason, payload from dead_letters order by id")
+        [stored] = [r for r in letters if r["source"] == "work-queue"]
+        assert stored["subject"] == work_subject(route) and bytes(stored["payload"]) == encode(item)
+        refused = sorted(str(r["reason"]) for r in letters if r["source"] == "recorder-advisories")
+        assert len(refused) == 3 and all(r.startswith("untrusted advisory") for r in refused), refused
+        assert any(f"not {work_subject('arithmetic')}" in r or "never delivered" in r for r in refused), refused
+        assert (await js.stream_info(WORK_STREAM)).state.messages == 0  # the item was deleted
+        await work.unsubscribe()
     finally:
         sql.close()
