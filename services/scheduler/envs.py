@@ -98,10 +98,11 @@ async def resolve(kv: KeyValue, env: str) -> tuple[bool, str]:
     family = family_advert_name(env)
     if family is not None:
         adv = await _advert(kv, family)
-        members = adv.get("members") if adv else None
-        if isinstance(members, list) and env in members:
-            route = adv.get("route") if adv else None
-            return True, route if isinstance(route, str) and route else env.partition(":")[0]
+        if adv is not None:  # a family's member is routed by the family even when this advert does not list it
+            members = adv.get("members")  # (the advert of the worker that wrote last; another may have more)
+            route = adv.get("route")
+            return (isinstance(members, list) and env in members,
+                    route if isinstance(route, str) and route else env.partition(":")[0])
     return False, env
 
 

@@ -96,7 +96,8 @@ async def test_the_scheduler_resolves_routes_from_adverts() -> None:
     assert await sched_envs.resolve(kv, "arithmetic") == (True, "arithmetic")
     assert await sched_envs.resolve(kv, "fam:beta") == (True, "fam")
     assert await sched_envs.resolve(kv, "fam:gamma.v2") == (True, "fam")
-    assert await sched_envs.resolve(kv, "fam:delta") == (False, "fam:delta"), "not a member: not registered"
+    assert await sched_envs.resolve(kv, "fam:delta") == (False, "fam"), "not listed (by the last advert): routed"
+    assert await sched_envs.resolve(kv, "other:delta") == (False, "other:delta")
     assert await sched_envs.resolve(kv, "remote:echo") == (True, "remote:echo"), "an advert without a route"
     assert await sched_envs.resolve(kv, "by-hand") == (True, "by-hand")
     assert await sched_envs.resolve(kv, "my-agent") == (True, "my-agent")

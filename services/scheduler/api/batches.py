@@ -110,7 +110,8 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
                     existing = await store.get_batch(conn, batch_id)
             if existing is not None:
                 return await _replay(res, existing, rhash, response)
-        if settings.require_registered_env and not await envs.is_registered(res.envs_kv, body.env):
+        if (settings.require_registered_env and not await envs.is_registered(res.envs_kv, body.env)
+                and not envs.served(await res.publisher.routes.live(), body.env)):  # a member only a live worker lists
             known = await envs.env_names(res.js, res.envs_kv)
             listed = ", ".join(known) if known else "none registered yet (start an env worker)"
             raise HTTPException(status.HTTP_400_BAD_REQUEST, f"unknown env {body.env!r}; known envs: {listed}")
