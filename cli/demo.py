@@ -38,12 +38,22 @@ class DemoBatch:
     """The first ``n`` tasks (default: ``{"seed": i}``)."""
 
 
+RG_CONFIG: dict[str, Any] = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+", "-"]}
+"""reasoning-gym's basic_arithmetic at its easiest: single-digit sums and differences."""
+
 DEMO_BATCHES: tuple[DemoBatch, ...] = (
     DemoBatch("arithmetic", 1.0, 1, 32),
     DemoBatch("guess-number", 1.0, 6, 16),
     DemoBatch("retail-orders", 0.5, 6, 64),
+    # tau2-bench retail: tau2's tasks, policy, tools and evaluator; its customer is tau2's user simulator on the
+    # same inference worker (unrecorded requests), its messages observations (mask 0)
+    DemoBatch("tau2:retail", 0.5, 3, 48, tasks=lambda n: [{"task_id": str(i)} for i in range(n)]),
+    # reasoning-gym; 4 solved examples first teach a 135M model the <answer> format
+    DemoBatch("rg:basic_arithmetic", 2.0, 1, 32,
+              tasks=lambda n: [{"config": RG_CONFIG, "seed": 0, "index": i, "shots": 4} for i in range(n)]),
 )
-"""One batch per environment: single-turn, multi-turn, and tool calling (Hermes ``<tool_call>``)."""
+"""One batch per environment: single-turn, multi-turn, tool calling (Hermes ``<tool_call>``), tau2-bench retail
+with its LLM-simulated user, and a reasoning-gym dataset."""
 
 SUMMARY_SQL = """
 with kept_turns as (
@@ -112,7 +122,7 @@ def run_demo(num_tasks: int = 4, group_size: int = 4, out: Path = Path("exports"
             body = client.submit(env=batch.env, tasks=tasks, group_size=group_size, max_turns=batch.max_turns,
                                  sampling={"temperature": 1.0, "max_tokens": batch.max_tokens})
             batch_ids.append(body["batch_id"])
-            labels.append(f"{batch.env:<14}")
+            labels.append(f"{batch.env:<19}")
             submitted += body["num_episodes"]
             console.print(f"submitted {body['num_episodes']:>3} {batch.env} episodes ({len(tasks)} tasks x "
                           f"group_size {group_size}, max_turns {batch.max_turns}) as batch {body['batch_id']}")

@@ -78,6 +78,8 @@ class DevStack:
                 self.echo(f"private infrastructure in {self.infra.root}")
             upgrade(self.infra.database_url)
             env = {"ROLLOUT_MODEL": self._model(), "ROLLOUT_ENGINE": self.engine, **self.extra_env}
+            # SmolLM2's own context (tau2's prompts are ~5.2k tokens); the env worker's default is 2048
+            env.setdefault("ROLLOUT_MAX_MODEL_LEN", os.environ.get("ROLLOUT_MAX_MODEL_LEN", "8192"))
             logins = self.infra.create_database_logins()  # each service on its own Postgres role (0012)
             service_env = {s: self.infra.nats_env(s) for s in nats_auth.USERS}
             for service, url in logins.items():

@@ -15,10 +15,10 @@ def test_demo_runs_mixed_batch_and_prints_summary(tmp_path: Path, model_dir: str
     out = console.export_text()
     assert code == 0, out
     envs = [batch.env for batch, _ in demo_batches(2)]
-    assert envs == ["arithmetic", "guess-number", "retail-orders"]
+    assert envs == ["arithmetic", "guess-number", "retail-orders", "tau2:retail", "rg:basic_arithmetic"]
     for env in envs:
         assert env in out
-    assert "10/10 trajectories stored: ok" in out  # 2x2 + 2x2 + 1x2
+    assert "20/20 trajectories stored: ok" in out  # 2x2 + 2x2 + 1x2 + 1x2 + 4x2
     assert "prefix cache hit rate" in out and "tok/s end to end" in out
-    assert len(list((tmp_path / "exports").glob("*.jsonl"))) == 3
+    assert len(list((tmp_path / "exports").glob("*.jsonl"))) == 5
     assert "select env, status" in out  # the example SQL
