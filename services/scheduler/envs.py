@@ -189,10 +189,12 @@ async def list_envs(js: JetStreamContext, kv: KeyValue) -> list[EnvPublic]:
             if not isinstance(data, dict):
                 raise ValueError("not an object")
             data["name"] = name
+            if not data.get("route"):  # an advert without one (a previous release's, an agent's): routed by name
+                data["route"] = name
             out.append(EnvPublic.model_validate(data))
         except ValueError as exc:  # orjson.JSONDecodeError and pydantic.ValidationError are ValueErrors
             log.warning("envs.bad_entry", env=name, error=str(exc))
-            out.append(EnvPublic(name=name))
+            out.append(EnvPublic(name=name, route=name))
     return sorted(out, key=lambda env: env.name)
 
 

@@ -316,8 +316,8 @@ class EnvPublic(BaseModel):
     example_task: dict[str, Any] = Field(default_factory=dict)
     registered_by: str = ""
     route: str = ""
-    """What its work items are routed by (its family or its own name): only env workers with the route get them.
-    Empty in an advert of a previous release (routed by the name)."""
+    """What its work items are routed by (its family or its own name; the name when the advert names none): only env
+    workers with the route get them."""
     family: str = ""
     """Set on a family's one entry (``name`` ``<family>:*``): submit a batch with one of its ``members``."""
     members: list[str] = Field(default_factory=list)

@@ -278,7 +278,7 @@ async def test_unknown_env_lists_the_known_ones(api: Api) -> None:
     envs = (await api.client.get("/v1/envs")).json()["envs"]
     assert [e["name"] for e in envs] == ["countdown", "echo"]
     assert envs[1] == {"name": "echo", "description": "echo env", "multi_turn": False,
-                       "example_task": {"q": "1+1"}, "registered_by": "tests", "route": "", "family": "",
+                       "example_task": {"q": "1+1"}, "registered_by": "tests", "route": "echo", "family": "",
                        "members": []}
 
 
