@@ -36,6 +36,8 @@ FAMILY_SUFFIX = ":*"
 """A family's one advert is ``<family>:*`` (env workers' routing.py writes it)."""
 ROUTE_CACHE_S = 10.0
 """How long the scheduler keeps an env's route before reading its advert again."""
+LIVE_CACHE_S = 2.0
+"""How long the scheduler keeps the list of live env workers (batch status reads it; one read per worker)."""
 
 
 async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
@@ -148,6 +150,7 @@ class RouteBook:
         self._envs: KeyValue | None = None
         self._workers: KeyValue | None = None
         self._cache: dict[str, tuple[float, str]] = {}
+        self._live: tuple[float, list[LiveWorker]] | None = None
 
     async def _kv(self, bucket: str) -> KeyValue:
         try:
@@ -171,9 +174,15 @@ class RouteBook:
         return {env: await self.route(env) for env in set(envs)}
 
     async def live(self) -> list[LiveWorker]:
+        """The live env workers, read at most every ``LIVE_CACHE_S``."""
+        now = time.monotonic()
+        if self._live is not None and now - self._live[0] < LIVE_CACHE_S:
+            return self._live[1]
         if self._workers is None:
             self._workers = await self._kv(ENV_WORKERS_BUCKET)
-        return await live_workers(self.js, self._workers)
+        workers = await live_workers(self.js, self._workers)
+        self._live = (now, workers)
+        return workers
 
 
 async def list_envs(js: JetStreamContext, kv: KeyValue) -> list[EnvPublic]:
