@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgpack
 import orjson
@@ -206,6 +206,9 @@ class InferenceRequested(_Event):
     an environment's own generation (a simulated user, env_worker/env_llm.py): only answered, never recorded; the
     env hands its text to the episode as an observation."""
 
+    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({"record"})
+    """Left off the wire while default (``encode``): a previous-release inference worker refuses unknown fields."""
+
 
 class TurnGenerated(_Event):
     """One sampled turn: published by the inference worker and sent back to the requester."""
@@ -321,8 +324,14 @@ _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 
 def encode(event: BaseModel) -> bytes:
-    """Bus bytes of an event: a msgpack map, token arrays as raw little-endian ``bin`` (see shared/arrays.py)."""
-    return msgpack.packb(event.model_dump(mode="python"), datetime=True)
+    """Bus bytes of an event: a msgpack map, token arrays as raw little-endian ``bin`` (see shared/arrays.py).
+
+    Fields an event lists in ``OMIT_AT_DEFAULT`` are left out while they hold their default: the release before the
+    tolerant readers refused unknown fields, so a field added since reaches it only when it says something."""
+    omit: frozenset[str] = getattr(type(event), "OMIT_AT_DEFAULT", frozenset())
+    fields = type(event).model_fields
+    exclude = {name for name in omit if getattr(event, name) == fields[name].default}
+    return msgpack.packb(event.model_dump(mode="python", exclude=exclude or None), datetime=True)
 
 
 def _unpack(data: bytes | str) -> Any:
