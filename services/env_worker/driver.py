@@ -33,6 +33,7 @@ from rollout_ledger.services.env_worker.context import uses_window, windowed
 from rollout_ledger.services.env_worker.inference_client import InferenceClient
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.services.env_worker.retries import RetryBudgets
+from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
 from rollout_ledger.services.env_worker.tokenization import Transcript, TurnTemplate
 from rollout_ledger.services.envs.base import Env, EnvContext, EnvLLM
 from rollout_ledger.services.envs.registry import EnvRegistry, UnknownEnvError
@@ -186,7 +187,9 @@ class EpisodeDriver:
                 turn = await self._generate(t, transcript, min(self.item.sampling.max_tokens, room))
             except InferenceError as exc:
                 return await self._failed(FailureClass.INFERENCE, f"turn {t}: {exc}", retryable=exc.retryable)
-            action = transcript.add_sampled(turn.token_ids)
+            text = transcript.add_sampled(turn.token_ids)
+            # the env gets OpenAI's text: cut before the stop string that ended the turn (the ids keep it)
+            action, _ = cut_at_stop(text, self.item.sampling.stop)
             started = time.perf_counter()
             try:
                 result = await env.step(action)
@@ -195,7 +198,7 @@ class EpisodeDriver:
                 view = None  # the full history (the default) builds no copy of the conversation per turn
                 if not final and uses_window(self.item.context):
                     view = windowed(self.item.context, [
-                        *transcript.messages, {"role": "assistant", "content": action}, *result.observation])
+                        *transcript.messages, {"role": "assistant", "content": text}, *result.observation])
                 delta = transcript.add_observation(result.observation, final, window=view)
             except Exception as exc:  # the env's code (or its unrenderable messages): an env failure
                 return await self._failed(FailureClass.ENV, f"step {t}: {type(exc).__name__}: {exc}",

@@ -27,6 +27,7 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig, TryFailed
+from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
 from rollout_ledger.services.envs.base import Message
 from rollout_ledger.shared.errors import InferenceError, SchemaError
 from rollout_ledger.shared.events import InferenceRequested, SamplingParams, TurnGenerated, encode
@@ -111,7 +112,7 @@ class ServedEnvLLM:
         else:
             turn = await self._generate_in_pool(pool, build)
         text = tok.decode(turn.token_ids, skip_special_tokens=True)
-        return _cut_at_stop(text, sampling.stop).strip()
+        return cut_at_stop(text, sampling.stop)[0].strip()
 
     async def _generate_in_pool(self, pool: str, build: Any) -> TurnGenerated:
         """One request to the pool's queue group, retried like a turn (``InferenceClient.generate``'s budget)."""
@@ -137,16 +138,6 @@ class ServedEnvLLM:
                 raise InferenceError(f"malformed reply from pool {pool!r}: {exc}", retryable=False) from exc
         raise InferenceError(f"no reply from model pool {pool!r} after {config.max_tries} tries: {last}",
                              retryable=True)
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> str:
-    """``text`` up to its first stop string (an engine may return it, and text after it)."""
-    cut = len(text)
-    for s in stop:
-        at = text.find(s) if s else -1
-        if 0 <= at < cut:
-            cut = at
-    return text[:cut]
 
 
 def _int(value: Any) -> int:

@@ -66,14 +66,15 @@ async def served(nc: bus.NATS, model_dir: str) -> AsyncIterator[ChatTokenizer]:
 
 
 async def run_episode(nc: bus.NATS, tok: ChatTokenizer, env: str, task: dict[str, Any], max_turns: int,
-                      cancelled: bool = False, envs: EnvRegistry | None = None) -> tuple[Any, list[Event]]:
+                      cancelled: bool = False, envs: EnvRegistry | None = None,
+                      sampling: SamplingParams | None = None) -> tuple[Any, list[Event]]:
     client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5, heartbeat_timeout_s=5))
     await client.start()
     deps = DriverDeps(js=nc.jetstream(), client=client, envs=envs or builtin_registry(), template=TurnTemplate(tok),
                       is_cancelled=lambda _b: cancelled, metrics=build_metrics(), worker_id="w0")
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
                             produced_by="test", env=env, task=task, group_id="b.0", group_index=0, group_size=1,
-                            sampling=SamplingParams(max_tokens=16), max_turns=max_turns)
+                            sampling=sampling or SamplingParams(max_tokens=16), max_turns=max_turns)
     outcome = await EpisodeDriver(deps, item, attempt=1).run()
     await client.stop()
     js = nc.jetstream()
@@ -112,6 +113,20 @@ async def test_events_assemble_into_the_rendered_conversation(nc: bus.NATS, serv
     assert int(np.concatenate(mask).sum()) == sum(len(t.token_ids) for t in turns)
     assert steps[1].observation_token_ids[0] == 2  # turn 1 was cut: the delta closes it with <|im_end|>
     assert finished.reward == 1.0 and finished.stop_reason == "terminated"
+
+
+async def test_a_stop_string_cuts_the_action_not_the_ids(nc: bus.NATS, served: ChatTokenizer) -> None:
+    """As OpenAI answers: the env gets the text before the stop string (turn 1 sampled "A longer answer that will be
+    cut"; an engine may return the stop string and text after it); the trajectory keeps every sampled id."""
+    tok = served
+    outcome, events = await run_episode(nc, tok, "fixed-turns", {"turns": 3}, max_turns=3,
+                                        sampling=SamplingParams(max_tokens=16, stop=[" will", "answer"]))
+    assert outcome.status == "completed"
+    turns = [e for e in events if e.type == "turn.generated"]
+    steps = [e for e in events if e.type == "step.completed"]
+    assert [s.action for s in steps] == ["Hello there.", "A longer ", "Fine."]
+    assert tok.decode(turns[1].token_ids) == "A longer answer that will be cut"  # verbatim
+    assert events[-1].info["token_check"] == "ok"
 
 
 async def test_cancelled_batch_never_starts(nc: bus.NATS, served: ChatTokenizer) -> None:

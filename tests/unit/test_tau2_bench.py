@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from rollout_ledger.services.env_worker.env_llm import _cut_at_stop
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
+from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
 from rollout_ledger.services.envs import tau2_bench
 from rollout_ledger.services.envs.base import EnvContext, Message, TaskError
 from rollout_ledger.services.envs.tools import format_call
@@ -159,5 +159,5 @@ def test_domains_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_env_llm_text_ends_before_a_stop_string() -> None:
-    assert _cut_at_stop("Sure.\nUser: more", ["\nUser:", ""]) == "Sure."
-    assert _cut_at_stop("no stop here", ["###"]) == "no stop here"
+    assert cut_at_stop("Sure.\nUser: more", ["\nUser:", ""]) == ("Sure.", True)
+    assert cut_at_stop("no stop here", ["###"]) == ("no stop here", False)

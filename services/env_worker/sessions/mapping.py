@@ -1,8 +1,8 @@
 """Model text and token ids <-> OpenAI chat-completion objects: tool calls, logprobs, responses and SSE chunks.
 
-Pure functions. Stop strings follow OpenAI: a turn that stopped on one (``cut_at_stop``) answers the text before it,
-and nothing after it; the sampled ids stay as the engine returned them (see "Action text and ids" below). A turn's
-text is cut into hermes ``<tool_call>{json}</tool_call>`` blocks by
+Pure functions. Stop strings follow OpenAI: a turn that stopped on one (``stop_strings.cut_at_stop``) answers the text
+before it, and nothing after it; the sampled ids stay as the engine returned them (see "Action text and ids" below).
+A turn's text is cut into hermes ``<tool_call>{json}</tool_call>`` blocks by
 ``envs.tools.scan_blocks`` and each block parsed by ``envs.tools.parse_block`` (the scanner and parser the
 built-in tool environments use); when every block parses, the turn becomes an assistant message with
 ``tool_calls`` (arguments as a JSON string, as OpenAI sends them) and the text outside the blocks as
@@ -75,18 +75,6 @@ def split_tool_blocks(text: str) -> tuple[list[str], list[str]] | None:
     return [text[b.start:b.end] for b in blocks], outside
 
 
-def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """``text`` cut before the stop string that occurs in it and ends first (ties: the first listed), and whether
-    one occurred: the stop string that made the engine stop (vLLM's ``check_stop_strings`` picks the same one), so
-    the result is OpenAI's content, with neither the stop string nor anything after it."""
-    end = start = -1
-    for s in stop:
-        at = text.find(s) if s else -1
-        if at >= 0 and (end < 0 or at + len(s) < end):
-            start, end = at, at + len(s)
-    return (text, False) if end < 0 else (text[:start], True)
-
-
 def clip_texts(pieces: Sequence[str], length: int) -> list[str]:
     """Stream pieces (one per id) clipped so they concatenate to the first ``length`` characters of their
     concatenation (the ids after a stop string stream no text)."""
@@ -105,7 +93,7 @@ def call_id(seed: str, index: int) -> str:
 
 def assistant_turn(action: str, finish_reason: str, *, parse_tools: bool, id_seed: str) -> AssistantTurn:
     """The OpenAI view of a sampled turn whose action text is ``action`` (the decoded ids, special tokens skipped,
-    already cut at a stop string: ``cut_at_stop``).
+    already cut at a stop string: ``stop_strings.cut_at_stop``).
 
     ``finish_reason`` is the engine's (``stop``/``length``/``abort``: abort is reported as ``stop``).
     """

@@ -20,7 +20,7 @@ turns before it stay a segment of their own, token-exact against the tools they 
 
 Stop strings follow OpenAI: the turn's ids are appended verbatim (with a stop string they end with it, and
 maybe more text in the same token), while the action (the reply's content and tool calls, and
-``StepCompleted.action``) is their text cut before the stop string (``mapping.cut_at_stop``; see ``mapping``).
+``StepCompleted.action``) is their text cut before the stop string (``stop_strings.cut_at_stop``; see ``mapping``).
 
 The step of the last turn is published when the agent returns (final: no ids, the agent's reward). Calls of
 one session are serialised (a conversation is linear). A call that finds the turn budget or the context used
@@ -43,7 +43,6 @@ from rollout_ledger.services.env_worker.sessions.mapping import (
     Completion,
     assistant_turn,
     clip_texts,
-    cut_at_stop,
     logprobs_content,
     token_texts,
 )
@@ -54,6 +53,7 @@ from rollout_ledger.services.env_worker.sessions.protocol import (
     normalize_messages,
     same_message,
 )
+from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
 from rollout_ledger.services.env_worker.tokenization import Delta, Drift, Transcript, TurnTemplate
 from rollout_ledger.shared.errors import InferenceError, TokenizationError
 from rollout_ledger.shared.events import FailureClass, SamplingParams, TurnGenerated
@@ -219,7 +219,7 @@ class AgentSession:
     def _answer(self, req: ChatRequest, transcript: Transcript, turn: TurnGenerated, stop: list[str]) -> Completion:
         """The response to a sampled turn. The ids go into the transcript verbatim; the action (what the agent gets
         and the step records) is their text cut before the stop string that stopped the engine, as OpenAI's
-        content (``mapping.cut_at_stop``; the transcript keeps the whole decoded text for its renderings)."""
+        content (``stop_strings.cut_at_stop``; the transcript keeps the whole decoded text for its renderings)."""
         prompt_ids = transcript.context.tolist()
         action, stopped = cut_at_stop(transcript.add_sampled(turn.token_ids), stop)
         self.turns += 1
