@@ -64,8 +64,8 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.recorder_copy
 	$(BIN)/python -m bench.stream_decode
 	$(BIN)/python -m bench.live_update
-	$(BIN)/python -m bench.agent_gateway
 	$(BIN)/python -m bench.live_update --workload episodes
+	$(BIN)/python -m bench.agent_gateway
 
 chaos: install model  ## fault run: 2,000 episodes, kill -9 of every service twice, NATS restart, Postgres down 30 s
 	$(BIN)/python -m bench.chaos
