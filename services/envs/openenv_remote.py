@@ -70,7 +70,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from rollout_ledger.services.envs.base import Env, EnvContext, EnvSpec, Message, StepResult, TaskError
-from rollout_ledger.services.envs.remote import RemoteConfig
+from rollout_ledger.services.envs.remote import RemoteConfig, Slots
 from rollout_ledger.shared.errors import EnvError
 from rollout_ledger.shared.kit.logging import get_logger
 
@@ -271,26 +271,14 @@ class SessionPool:
         self.rng = rng or random.Random()
         self.on_retry = on_retry
         """Called once per retried session open (a metric)."""
-        self._slots: asyncio.Semaphore | None = None
-        self._wave_left = config.concurrency
-        """Sessions of the first wave still to open (each waits a random start-up delay)."""
+        self.slots = Slots(config.concurrency, config.startup_jitter_s, self.rng)
 
     async def acquire(self) -> None:
         """Wait for a free session slot (and, in the first wave, a random start-up delay)."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.config.concurrency)
-        await self._slots.acquire()
-        if self._wave_left > 0 and self.config.startup_jitter_s > 0:
-            self._wave_left -= 1
-            try:
-                await asyncio.sleep(self.rng.uniform(0.0, self.config.startup_jitter_s))
-            except BaseException:
-                self.release()
-                raise
+        await self.slots.acquire()
 
     def release(self) -> None:
-        if self._slots is not None:
-            self._slots.release()
+        self.slots.release()
 
     async def open(self, reset_data: dict[str, Any]) -> tuple[Session, dict[str, Any]]:
         """Connect and reset, retried on transient failures; the session and the reset observation's data."""

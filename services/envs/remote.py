@@ -121,6 +121,37 @@ class RemoteConfig:
         return backoff_delay(retry, self.backoff_s, self.backoff_max_s, BACKOFF_JITTER, rng)
 
 
+class Slots:
+    """At most ``concurrency`` holders at once; the first wave of ``concurrency`` waits a random
+    ``[0, startup_jitter_s)`` after getting its slot (a worker starting with a full queue does not hit a server at
+    once). Shared by the remote env pools (this module's ``ActorPool``, openenv_remote.py's ``SessionPool``)."""
+
+    def __init__(self, concurrency: int, startup_jitter_s: float, rng: random.Random) -> None:
+        self.concurrency = concurrency
+        self.startup_jitter_s = startup_jitter_s
+        self.rng = rng
+        self._sem: asyncio.Semaphore | None = None
+        """Made on first use (inside the running loop)."""
+        self._wave_left = concurrency
+        """Holders of the first wave still to come (each waits a random start-up delay)."""
+
+    async def acquire(self) -> None:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.concurrency)
+        await self._sem.acquire()
+        if self._wave_left > 0 and self.startup_jitter_s > 0:
+            self._wave_left -= 1
+            try:
+                await asyncio.sleep(self.rng.uniform(0.0, self.startup_jitter_s))
+            except BaseException:
+                self.release()
+                raise
+
+    def release(self) -> None:
+        if self._sem is not None:
+            self._sem.release()
+
+
 class ActorPool:
     """The actors of one remote env: one HTTP client, at most ``concurrency`` actors alive, start-up jitter."""
 
@@ -132,9 +163,7 @@ class ActorPool:
         self.on_retry = on_retry
         """Called once per retried request (a metric)."""
         self._client: httpx.AsyncClient | None = None
-        self._slots: asyncio.Semaphore | None = None
-        self._wave_left = config.concurrency
-        """Actors of the first wave still to start (each waits a random start-up delay)."""
+        self.slots = Slots(config.concurrency, config.startup_jitter_s, self.rng)
 
     def client(self) -> httpx.AsyncClient:
         """The pool's client, made on first use (inside the running loop)."""
@@ -147,20 +176,10 @@ class ActorPool:
 
     async def acquire(self) -> None:
         """Wait for a free actor slot (and, in the first wave, a random start-up delay)."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.config.concurrency)
-        await self._slots.acquire()
-        if self._wave_left > 0 and self.config.startup_jitter_s > 0:
-            self._wave_left -= 1
-            try:
-                await asyncio.sleep(self.rng.uniform(0.0, self.config.startup_jitter_s))
-            except BaseException:
-                self.release()
-                raise
+        await self.slots.acquire()
 
     def release(self) -> None:
-        if self._slots is not None:
-            self._slots.release()
+        self.slots.release()
 
     def url(self, env_id: str, suffix: str = "") -> str:
         path = f"{self.endpoint.base_url}/{self.endpoint.name}/{env_id}"
