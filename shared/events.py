@@ -25,7 +25,15 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgpack
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
+    model_serializer,
+)
 
 from rollout_ledger.shared.arrays import Floats, TokenIds
 from rollout_ledger.shared.errors import NewerContractError, SchemaError
@@ -41,6 +49,18 @@ _M = TypeVar("_M", bound=BaseModel)
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class ToolCallConstraint(BaseModel):
+    """A turn that must be one hermes tool call: exactly ``<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>``
+    (N one of ``names``, the arguments a JSON object, written as ``json.dumps`` writes it), then end of turn."""
+
+    model_config = _TOLERANT
+
+    names: list[str] = Field(min_length=1)
+    """The functions the call may name."""
+    parameters: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """JSON schema of a name's arguments (the tool's ``parameters``); a name without one takes any JSON object."""
 
 
 class SamplingParams(BaseModel):
@@ -62,6 +82,22 @@ class SamplingParams(BaseModel):
     """Per-request seed, for reproducible sampling."""
     logprobs: int = Field(0, ge=0, le=20)
     """Top-k alternatives to record per token besides the sampled one (0: only the sampled token's)."""
+    tool_call: ToolCallConstraint | None = None
+    """Constrain the turn to one tool call (the session endpoint's ``tool_choice`` ``required`` or a named function);
+    an engine that cannot enforce it refuses the request. None: unconstrained."""
+
+    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({"tool_call"})
+    """Left out of every dump while default (nested in events too): a previous-release reader refuses unknown
+    fields, so the field reaches it only when it says something."""
+
+    @model_serializer(mode="wrap")
+    # no return annotation: pydantic would take it for the model's serialization schema (a bare dict)
+    def _omit_at_default(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
+        out: dict[str, Any] = handler(self)
+        for name in self.OMIT_AT_DEFAULT:
+            if getattr(self, name) == type(self).model_fields[name].default:
+                out.pop(name, None)
+        return out
 
 
 class ContextPolicy(BaseModel):

@@ -14,6 +14,9 @@ How it answers (all deterministic: the same prompt ids, sampling parameters and 
 - A number-guessing prompt ("guess a number between 1 and 100", feedback such as "higher" / "too low") gets
   "My guess is N." with N in the range, narrowed by the feedback visible in the tail.
 - Anything else gets one sentence from a small list.
+- With ``sampling.tool_call`` set (a forced tool call) the answer is, whatever the prompt, the hermes call of the
+  first allowed name with no arguments, exactly as vLLM's grammar lays it out
+  (``<tool_call>\n{"name": "NAME", "arguments": {}}\n</tool_call>``).
 - The text is encoded with the real tokenizer; it is cut at ``max_tokens`` (finish ``length``), otherwise the
   eos id is appended (finish ``stop``). A stop string in ``sampling.stop`` ends the turn as in vLLM: the ids run
   up to and including the first id whose text completes a stop string (the one ending first), without the eos
@@ -214,6 +217,11 @@ def _in_range(ids: np.ndarray, n: int) -> bool:
     return int(ids.min()) >= 0 and int(ids.max()) < n
 
 
+def tool_call_text(name: str) -> str:
+    """The forced call the fake answers with: a hermes call of ``name`` with no arguments."""
+    return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {{}}}}\n</tool_call>'
+
+
 def respond(text: str, h: int) -> str:
     """The fake's answer to the conversation tail ``text``, chosen by the hash ``h``."""
     turns = _messages(text)
@@ -341,7 +349,8 @@ class FakeEngine:
         """The turn's ids, finish reason and the prompt hash (pure CPU work, no waiting)."""
         tail = prompt[-TAIL_TOKENS:]
         h = prompt_hash(tail, int(prompt.shape[0]), sampling, session_key)
-        text = respond(self._decode_tail(tail), h)
+        forced = sampling.tool_call
+        text = tool_call_text(forced.names[0]) if forced is not None else respond(self._decode_tail(tail), h)
         finish = FinishReason.STOP
         end = stop_end(text, sampling.stop)
         ids = self._encode(text, self.eos_id is not None) if end is None else self._encode_through(text, end)

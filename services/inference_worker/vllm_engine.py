@@ -20,6 +20,12 @@ Design note.
 - Errors are classified by vLLM's exception types, never by message: a request vLLM rejects (prompt longer than
   the context, bad parameters) is not retryable; an engine that died (``EngineDeadError``) or a failed generate
   is retryable on another worker, and a dead engine fails every later request at once (``healthy`` turns false).
+- A forced tool call (``SamplingParams.tool_call``) is vLLM's structured outputs with the EBNF grammar
+  ``tool_call_grammar``: exactly one hermes call of an allowed name, laid out as the tool template renders one
+  (``<tool_call>\n{"name": "NAME", "arguments": {...}}\n</tool_call>``, ``json.dumps``'s separators, no other
+  whitespace), the arguments under the tool's parameter schema (any JSON object for a tool without one, or with a
+  schema xgrammar cannot convert), after which only an end-of-turn id is allowed. The grammar is built with xgrammar
+  (vLLM's structured-outputs backend, installed with vLLM). The ids are the ones sampled, returned verbatim.
 - Weight reloads go through the worker extension (``vllm_extension.RolloutWorkerExtension``, named in the engine
   arguments as ``worker_extension_cls``): vLLM's ``reload_weights`` and then the re-processing of layers tied to a
   reloaded parameter (SmolLM2's lm_head, packed from the embedding on CPU).
@@ -34,24 +40,27 @@ Design note.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import vllm
+import xgrammar as xgr
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rollout_ledger.services.inference_worker.checkpoints import check_compatible
 from rollout_ledger.services.inference_worker.engine import Generation
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
 from rollout_ledger.shared.errors import InferenceError
-from rollout_ledger.shared.events import FinishReason, SamplingParams
+from rollout_ledger.shared.events import FinishReason, SamplingParams, ToolCallConstraint
 from rollout_ledger.shared.kit.logging import get_logger
 
 try:  # vLLM >= 0.11 names request errors; older versions raise ValueError for them
@@ -151,6 +160,41 @@ def engine_kwargs(settings: InferenceSettings, on_cpu: bool, cpuinfo: str | None
     return kwargs
 
 
+CALL_SEPARATORS = (", ", ": ")
+"""``json.dumps``'s separators: the forced call is laid out as the tool template renders one (no other whitespace)."""
+
+
+def _call_grammar(name: str, parameters: dict[str, Any] | None) -> xgr.Grammar:
+    """``{"name": NAME, "arguments": ...}`` with the arguments under ``parameters`` (any JSON object when None or a
+    schema xgrammar cannot convert)."""
+    def call(arguments: dict[str, Any]) -> xgr.Grammar:
+        schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+                  "required": ["name", "arguments"]}
+        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=CALL_SEPARATORS)
+
+    if parameters:
+        try:
+            return call(parameters)
+        except (RuntimeError, ValueError, TypeError) as exc:  # a schema feature xgrammar does not support
+            log.warning("vllm.tool_schema_unsupported", tool=name, error=str(exc)[:200])
+    return call({"type": "object"})
+
+
+@lru_cache(maxsize=256)
+def _tool_call_ebnf(spec: str) -> str:
+    names, parameters = json.loads(spec)
+    calls = [_call_grammar(name, parameters.get(name)) for name in dict.fromkeys(names)]
+    grammar = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), xgr.Grammar.union(*calls),
+                                 xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+    return str(grammar)
+
+
+def tool_call_grammar(constraint: ToolCallConstraint) -> str:
+    """The EBNF grammar of a turn that is exactly one hermes call of an allowed name, its arguments under the
+    tool's parameter schema (built with xgrammar, vLLM's structured-outputs backend; kept per constraint)."""
+    return _tool_call_ebnf(json.dumps([constraint.names, constraint.parameters], sort_keys=True))
+
+
 def sampling_params(sampling: SamplingParams, max_tokens: int) -> vllm.SamplingParams:
     """vLLM sampling parameters for one turn (final output only; the sampled id's logprob always returned).
 
@@ -158,8 +202,10 @@ def sampling_params(sampling: SamplingParams, max_tokens: int) -> vllm.SamplingP
     one ending first). Its ``token_ids`` run through that id, without an end-of-turn id, and are returned verbatim;
     its text (cut before the stop string) is not used: whoever shows the turn as text cuts the decoded ids the same
     way (the session endpoint's ``mapping.cut_at_stop``), so the fake engine, which stops alike, gives the same
-    text.
+    text. A forced tool call is the grammar ``tool_call_grammar`` (structured outputs).
     """
+    forced = sampling.tool_call
+    structured = StructuredOutputsParams(grammar=tool_call_grammar(forced)) if forced is not None else None
     return vllm.SamplingParams(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
@@ -170,6 +216,7 @@ def sampling_params(sampling: SamplingParams, max_tokens: int) -> vllm.SamplingP
         logprobs=max(1, sampling.logprobs),
         output_kind=RequestOutputKind.FINAL_ONLY,
         detokenize=bool(sampling.stop),  # text is only needed to match stop strings
+        structured_outputs=structured,
     )
 
 

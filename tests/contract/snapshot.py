@@ -28,6 +28,7 @@ from rollout_ledger.shared.events import (
     InferenceRequested,
     SamplingParams,
     StepCompleted,
+    ToolCallConstraint,
     TrajectoryStatus,
     TurnGenerated,
     encode,
@@ -47,6 +48,8 @@ _LPS = np.array([-0.5, -1e-6, -12.25, 0.0, -3.0], dtype=np.float32)
 def examples() -> list[BaseModel]:
     """One event of each type with every optional field set (what a producer of this version writes)."""
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=64, stop=["</s>"], seed=3, logprobs=2)
+    forced = sampling.model_copy(update={"tool_call": ToolCallConstraint(
+        names=["add", "mul"], parameters={"add": {"type": "object", "properties": {"a": {"type": "integer"}}}})})
     return [
         EpisodeRequested(event_id="b.0.0:requested", seq=0, env="arithmetic", task={"seed": 1, "nested": [1, "x"]},
                          group_id="b.0", group_index=0, group_size=4, sampling=sampling, max_turns=3,
@@ -55,7 +58,7 @@ def examples() -> list[BaseModel]:
         EpisodeStarted(event_id="b.0.0:a1:started", seq=0, env="arithmetic", worker_id="w", prompt_token_ids=_IDS,
                        prompt_text="<|im_start|>user\nhi", messages=[{"role": "user", "content": "hi"}], **_ENV),
         InferenceRequested(event_id="b.0.0:a1:t0:r1", request_id="b.0.0:a1:t0:r1", seq=1, turn_index=0,
-                           prompt_token_ids=_IDS, sampling=sampling, max_tokens=16, reply_seq=1, record=False,
+                           prompt_token_ids=_IDS, sampling=forced, max_tokens=16, reply_seq=1, record=False,
                            **_ENV),
         TurnGenerated(event_id="b.0.0:a1:t0:r1", request_id="b.0.0:a1:t0:r1", seq=1, turn_index=0, prompt_len=5,
                       token_ids=_IDS, logprobs=_LPS, top_logprobs=[{1: -0.5, 7: -2.0}] * 5,

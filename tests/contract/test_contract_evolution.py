@@ -106,3 +106,18 @@ def test_a_version_that_is_not_an_integer_is_garbage() -> None:
     with pytest.raises(SchemaError) as info:
         decode(_pack(raw))
     assert not isinstance(info.value, NewerContractError)
+
+
+def test_a_tool_call_constraint_is_on_the_wire_only_when_set() -> None:
+    """``SamplingParams.tool_call`` is left out while None, nested in every event that carries sampling parameters:
+    the previous release's readers refuse fields they do not know."""
+    for event in examples():
+        sampling = getattr(event, "sampling", None)
+        if sampling is None:
+            continue
+        raw = msgpack.unpackb(encode(event), timestamp=3, strict_map_key=False)
+        assert ("tool_call" in raw["sampling"]) == (sampling.tool_call is not None), type(event).__name__
+        plain = event.model_copy(update={"sampling": sampling.model_copy(update={"tool_call": None})})
+        raw = msgpack.unpackb(encode(plain), timestamp=3, strict_map_key=False)
+        assert "tool_call" not in raw["sampling"] and "tool_call" not in to_json(plain).decode()
+        _equal(decode(encode(event)), event)

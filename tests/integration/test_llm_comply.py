@@ -5,17 +5,18 @@ The episode's agent (``tests/integration/session_handoff.py``) hands its session
 holds the session open; the suite's requests are then turns of that episode, answered by the in-test policy
 (``tools`` in the prompt: a hermes call of the first tool; otherwise a short sentence) and recorded token-exact.
 
-Checks of the suite run here, and those not run, each with its reason (``NOT_RUN``, ``ADAPTED``). The same suite
+Every check of the suite runs unchanged except those not run, each with its reason (``NOT_RUN``). Its
+tool-calling check sends ``tool_choice: "required"``: the endpoint enforces it (the turn is requested with
+``SamplingParams.tool_call``, which the policy, like the engines, obeys), asserted below. The same suite
 against the real model through vLLM, outside CI: ``ROLLOUT_COMPLY_VLLM=1`` in tests/e2e/test_stop_strings_vllm.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,6 @@ NOT_RUN: dict[str, str] = {
 }
 """The suite's checks that are not run, with the reason."""
 
-ADAPTED: dict[str, str] = {
-    "chat-tool-calling": "run with tool_choice 'auto' instead of 'required': the endpoint refuses 'required' with a "
-                         "400 (tool_choice_not_enforced, asserted below) because the rollout engines sample without "
-                         "guided decoding; the response's tool_calls and finish_reason are checked as the suite does",
-}
-"""The suite's checks run with a changed request, with the reason."""
-
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:llm_comply.schema")  # its jsonschema resolver
 
 RUN = [tc.id for tc in OPENAI_CHAT_TESTS if tc.id not in NOT_RUN]
@@ -60,9 +54,12 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 class ComplyPolicy(Policy):
-    """Calls the first tool the prompt offers (hermes ``<tool_call>``); otherwise says a short sentence."""
+    """Calls the first tool the prompt offers (hermes ``<tool_call>``); otherwise says a short sentence. A turn
+    constrained to a call (``sampling.tool_call``) is a call of the first allowed name, as an engine's would be."""
 
     def text_for(self, req: InferenceRequested) -> str:
+        if req.sampling.tool_call is not None:
+            return format_call(req.sampling.tool_call.names[0], {"location": "San Francisco"})
         context = self.tok.decode(req.prompt_token_ids)
         if "<tools>" in context and '"get_weather"' in context:
             return format_call("get_weather", {"location": "San Francisco"})
@@ -86,20 +83,13 @@ def comply_env(**extra: str) -> dict[str, str]:
 
 def run_suite(session: dict[str, str], model: str) -> dict[str, Any]:
     """The suite's OpenAI Chat checks against ``session`` (``base_url``, ``api_key``): {check id: result}, with the
-    refusals the adapted and skipped checks meet checked in the OpenAI error shape."""
+    refusal the skipped image check meets (its unchanged request) in the OpenAI error shape."""
     config = ComplianceConfig(base_url=session["base_url"], api_key=session["api_key"], model=model, timeout=120.0)
     spec = SpecLoader(str(Path(llm_comply.__file__).parent / "specs" / "openai_chat.json"))  # what the CLI loads
-    cases = []
-    for tc in OPENAI_CHAT_TESTS:
-        if tc.id == "chat-tool-calling":
-            build: Callable[[ComplianceConfig], dict[str, Any]] = tc.build_request
-            unforced = dataclasses.replace(tc, build_request=lambda cfg, b=build: {**b(cfg), "tool_choice": "auto"})
-            cases.append(unforced)
-        elif tc.id not in NOT_RUN:
-            cases.append(tc)
+    cases = [tc for tc in OPENAI_CHAT_TESTS if tc.id not in NOT_RUN]
     results = {r.id: r for r in comply_runner.TestRunner(config, cases, spec).run_all().results}
-    for tc in OPENAI_CHAT_TESTS:  # what the unchanged requests of the adapted / skipped checks get: a clear 400
-        if tc.id in ("chat-tool-calling", "chat-image-input"):
+    for tc in OPENAI_CHAT_TESTS:  # what the skipped image check's request gets: a clear 400
+        if tc.id == "chat-image-input":
             status, body, _ = make_request(config, tc.endpoint, tc.build_request(config))
             results[f"{tc.id} (unchanged)"] = (status, body)
     return results
@@ -110,9 +100,6 @@ def check_results(results: dict[str, Any]) -> None:
     failed = {i: r.errors for i, r in results.items() if not isinstance(r, tuple) and r.status != passed}
     assert not failed, failed
     assert sorted(i for i in results if not isinstance(results[i], tuple)) == sorted(RUN)
-    status, body = results["chat-tool-calling (unchanged)"]
-    assert status == 400 and body["error"]["code"] == "tool_choice_not_enforced", body
-    assert body["error"]["param"] == "tool_choice" and body["error"]["type"] == "invalid_request_error"
     status, body = results["chat-image-input (unchanged)"]
     assert status == 400 and body["error"]["param"] == "messages[0].content[1]", body
 
@@ -157,6 +144,9 @@ async def test_llm_comply_openai_chat_passes_against_a_session(stack: Stack, pol
         # one turn per check that reached the policy (error handling and the refusals sampled nothing)
         sampled = len([i for i in RUN if i != "chat-error-handling"])
         assert turns == list(range(sampled)) and tr["num_turns"] == sampled
+        # the tool-calling check's 'required' reached the policy as a constraint (and only that check forces one)
+        forced = [r.sampling.tool_call for r in policy.requests if r.episode_id == episode_id and r.sampling.tool_call]
+        assert [c.names for c in forced] == [["get_weather"]]
         assert tr["reward"] == 1.0
     finally:
         sql.close()

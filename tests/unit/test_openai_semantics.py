@@ -1,6 +1,7 @@
 """OpenAI semantics of the session endpoint, through the official ``openai`` SDK (in process, ASGI transport):
-stop strings (content cut before the stop string, ids verbatim), ``tool_choice`` (enforced or refused with a
-400, never silently accepted), ``model`` required, and tools changing between calls (a new segment).
+stop strings (content cut before the stop string, ids verbatim), ``tool_choice`` (``required`` and a named
+function enforced by the engine and recorded token-exact; a choice no constraint expresses refused with a 400, never
+silently accepted), ``model`` required, and tools changing between calls (a new segment).
 
 The turns come from the real ``FakeEngine`` (it stops on a stop string as vLLM does: the ids run through the
 one completing it, no eos) or from scripted ids that end the way vLLM's do; the app, session and mapping are the
@@ -213,21 +214,58 @@ async def test_a_length_finish_that_completed_a_stop_string_is_a_stop(serve: Cal
 
 
 # --- tool_choice ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("choice", [
-    "required",
-    {"type": "function", "function": {"name": "add"}},
-    {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "function",
-                                                                                "function": {"name": "add"}}]}},
-    {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function",
-                                                                            "function": {"name": "add"}}]}},
+@pytest.mark.parametrize(("choice", "names"), [
+    ("required", ["add", "mul"]),
+    ({"type": "function", "function": {"name": "mul"}}, ["mul"]),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "function",
+                                                                                 "function": {"name": "mul"}}]}},
+     ["mul"]),
 ])
-async def test_a_tool_choice_that_cannot_be_enforced_is_a_400(serve: Callable[..., Served], choice: Any) -> None:
+async def test_a_forced_tool_choice_is_enforced_and_recorded_token_exact(
+        serve: Callable[..., Served], tok: ChatTokenizer, choice: Any, names: list[str]) -> None:
+    """The engine samples under ``SamplingParams.tool_call`` (the fake answers a call of the first allowed name, as
+    vLLM's grammar lays it out): the reply is the parsed call, the ids are recorded verbatim and the agent sending the
+    call back extends the conversation token-exact."""
+    served = serve()
+    client, ep = served.client, served.episode
+    resp = await client.chat.completions.create(model="policy", messages=QUESTION, tools=[*TOOLS, MUL],
+                                                tool_choice=choice)
+    choice0 = resp.choices[0]
+    calls = choice0.message.tool_calls
+    assert choice0.finish_reason == "tool_calls" and calls is not None and len(calls) == 1
+    assert calls[0].type == "function" and calls[0].function.name == names[0] and calls[0].function.arguments == "{}"
+    ids = ep.turns[0].token_ids.tolist()
+    assert choice0.model_extra is not None and choice0.model_extra["token_ids"] == ids and ids[-1] == tok.eos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == \
+        f'<tool_call>\n{{"name": "{names[0]}", "arguments": {{}}}}\n</tool_call>'
+
+    follow = [*QUESTION, choice0.message, {"role": "tool", "tool_call_id": calls[0].id, "content": "6"}]
+    again = await client.chat.completions.create(model="policy", messages=follow, tools=[*TOOLS, MUL])
+    assert again.choices[0].finish_reason == "stop"  # auto: the fake answers in text
+    await served.session.finish(1.0)
+    assert [s["drift"] for s in ep.steps] == [None, None]  # one segment: the call extended the conversation
+    transcript = served.session.transcript
+    assert transcript is not None and transcript.check_results() == [True]
+
+
+async def test_a_tool_choice_naming_no_tool_is_a_400(serve: Callable[..., Served]) -> None:
     served = serve()
     with pytest.raises(openai.BadRequestError) as err:
-        await served.client.chat.completions.create(model="policy", messages=QUESTION, tools=[*TOOLS, MUL],
-                                                    tool_choice=choice)
+        await served.client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS,
+                                                    tool_choice={"type": "function", "function": {"name": "mul"}})
+    assert err.value.param == "tool_choice" and "not among the tools" in err.value.message
+    assert served.episode.turns == [] and served.session.turns == 0
+
+
+async def test_allowed_tools_auto_naming_some_tools_is_a_400(serve: Callable[..., Served]) -> None:
+    """Text or a call of some of the tools: no engine constraint expresses it, so it is refused, never ignored."""
+    served = serve()
+    with pytest.raises(openai.BadRequestError) as err:
+        await served.client.chat.completions.create(
+            model="policy", messages=QUESTION, tools=[*TOOLS, MUL], tool_choice={
+                "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+                    {"type": "function", "function": {"name": "add"}}]}})
     assert err.value.code == "tool_choice_not_enforced" and err.value.param == "tool_choice"
-    assert "cannot enforce a tool call" in err.value.message
     body = cast(dict[str, Any], err.value.body)
     assert body["type"] == "invalid_request_error"
     assert served.episode.turns == [] and served.session.turns == 0  # nothing sampled, nothing recorded

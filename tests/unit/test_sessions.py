@@ -524,14 +524,18 @@ async def test_an_openai_agents_sdk_streamed_run(live: Callable[[dict[str, list[
     from tests.agents import add_numbers
 
     add_call = CALL_TEXT.replace('"add"', '"add_numbers"')
-    served = live({"s": [f"Adding. {add_call}", "It is 5 🎲."]})
+    served = live({"s": [f"Adding. {add_call}", "It is 5 🎲."], "f": [add_call, "It is 5."]})
+    forced = Agent(name="adder", instructions="Add.", tools=[add_numbers],
+                   model=OpenAIChatCompletionsModel(model="policy", openai_client=served.client("f")),
+                   model_settings=ModelSettings(tool_choice="required", include_usage=True))
+    done = await Runner.run(forced, "2 + 3?", max_turns=3, run_config=RunConfig(tracing_disabled=True))
+    # required is sent to the engine as a constraint; the SDK resets tool_choice after the call
+    first, second = (r[1].tool_call for r in served.episodes["f"].requests)
+    assert done.final_output == "It is 5." and second is None
+    assert first is not None and first.names == ["add_numbers"] and first.parameters["add_numbers"] == \
+        add_numbers.params_json_schema  # the tool's schema: the engine constrains the arguments with it
     client = served.client("s")
     model = OpenAIChatCompletionsModel(model="policy", openai_client=client)
-    forced = Agent(name="adder", instructions="Add.", tools=[add_numbers], model=model,
-                   model_settings=ModelSettings(tool_choice="required", include_usage=True))
-    with pytest.raises(openai.BadRequestError) as err:  # not enforceable: refused before any turn
-        await Runner.run(forced, "2 + 3?", max_turns=3, run_config=RunConfig(tracing_disabled=True))
-    assert err.value.code == "tool_choice_not_enforced" and served.episodes["s"].requests == []
     agent = Agent(name="adder", instructions="Add.", tools=[add_numbers], model=model,
                   model_settings=ModelSettings(tool_choice="auto", parallel_tool_calls=True, include_usage=True))
     result = Runner.run_streamed(agent, "2 + 3?", max_turns=3, run_config=RunConfig(tracing_disabled=True))

@@ -10,10 +10,15 @@ requires it (any name is answered by the session's policy).
 
 ``tool_choice``: ``auto`` (the default with tools) and ``none`` are OpenAI's: the model sees the tools and its
 hermes calls are parsed (``auto``) or its text is returned as content (``none``). A choice that OpenAI guarantees
-by constrained sampling (``required``, a named function, ``allowed_tools`` in mode ``required`` or naming only some
-of the tools) is refused with a 400 (code ``tool_choice_not_enforced``): the rollout engines sample without
-guided decoding, so the endpoint cannot promise a call, and a turn that did not call would be recorded under a
-promise the policy never kept. ``allowed_tools`` in mode ``auto`` naming every tool is ``auto``.
+by constrained sampling is enforced the same way: ``required`` (a call of any of the tools), a named function (a
+call of that one) and ``allowed_tools`` in mode ``required`` (a call of one of those listed) sample the turn under
+``SamplingParams.tool_call``, which the engine turns into a grammar (exactly one hermes
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` of an allowed name, then end of turn), so the reply
+always carries a parsed call (``finish_reason`` ``tool_calls``) and the recorded ids are the ones sampled under the
+constraint. ``allowed_tools`` in mode ``auto`` naming every tool is ``auto``; naming only some of the tools (the
+model may answer in text or call one of those) is refused with a 400 (code ``tool_choice_not_enforced``): no
+engine constraint expresses it, and a turn calling another tool would be recorded under a promise the policy never
+kept.
 """
 
 from __future__ import annotations
@@ -181,19 +186,35 @@ class ChatRequest(BaseModel):
         return self
 
     def unenforced_tool_choice(self) -> str | None:
-        """What the request's ``tool_choice`` would force that the endpoint cannot (None: auto, none or unset)."""
+        """What the request's ``tool_choice`` would promise that the endpoint cannot enforce (None: it can)."""
+        choice = self.tool_choice
+        if isinstance(choice, AllowedToolsChoice) and choice.allowed_tools.mode == "auto" \
+                and set(choice.allowed_tools.names) != {t.function.name for t in self.tools or ()}:
+            return "allowed_tools in mode 'auto' naming only some of the tools"
+        return None
+
+    @property
+    def forced_tools(self) -> list[str] | None:
+        """The functions the turn must call one of (``SamplingParams.tool_call``), None when no call is forced:
+        every tool for ``required``, the named one, those listed by ``allowed_tools`` in mode ``required``."""
         choice = self.tool_choice
         if choice == "required":
-            return "'required'"
+            return [t.function.name for t in self.tools or ()]
         if isinstance(choice, NamedToolChoice):
-            return f"a call of {choice.name!r}"
-        if isinstance(choice, AllowedToolsChoice):
-            allowed = choice.allowed_tools
-            if allowed.mode == "required":
-                return "allowed_tools in mode 'required'"
-            if set(allowed.names) != {t.function.name for t in self.tools or ()}:
-                return "allowed_tools naming only some of the tools"
+            return [choice.name]
+        if isinstance(choice, AllowedToolsChoice) and choice.allowed_tools.mode == "required":
+            return list(dict.fromkeys(choice.allowed_tools.names))
         return None
+
+    @property
+    def tool_call_constraint(self) -> dict[str, Any] | None:
+        """``SamplingParams.tool_call`` for the call ``tool_choice`` forces (the names and their tools' parameter
+        schemas), None when no call is forced."""
+        names = self.forced_tools
+        if not names:
+            return None
+        schemas = {t.function.name: t.function.parameters for t in self.tools or () if t.function.parameters}
+        return {"names": names, "parameters": {n: schemas[n] for n in names if n in schemas}}
 
     @property
     def completion_limit(self) -> int | None:
@@ -239,9 +260,9 @@ def parse_request(body: Any) -> ChatRequest:
         raise ApiError(400, text, param=loc) from None
     forced = req.unenforced_tool_choice()
     if forced is not None:
-        raise ApiError(400, f"tool_choice: {forced} is not supported: this endpoint cannot enforce a tool call (the "
-                       "rollout engine samples without guided decoding); send tool_choice 'auto' (the model sees the "
-                       "tools and its calls are parsed) or 'none'", param="tool_choice",
+        raise ApiError(400, f"tool_choice: {forced} is not supported: the endpoint enforces a call ('required', a "
+                       "named function, allowed_tools in mode 'required') but not a choice between text and some of "
+                       "the tools; send those tools only, or mode 'required'", param="tool_choice",
                        code="tool_choice_not_enforced")
     return req
 

@@ -18,6 +18,10 @@ Tools are part of the prompt: the tool-aware template renders them into the syst
 cannot extend the context and starts a new segment (drift ``history_rewrite``), rendered with the new tools. The
 turns before it stay a segment of their own, token-exact against the tools they were sampled with.
 
+``tool_choice`` ``required``, a named function or ``allowed_tools`` in mode ``required`` is enforced by the engine
+(``SamplingParams.tool_call``: a grammar admitting exactly one hermes call of an allowed name): the ids sampled under
+it are recorded verbatim like any others, and the reply carries the parsed call.
+
 Stop strings follow OpenAI: the turn's ids are appended verbatim (with a stop string they end with it, and
 maybe more text in the same token), while the action (the reply's content and tool calls, and
 ``StepCompleted.action``) is their text cut before the stop string (``stop_strings.cut_at_stop``; see ``mapping``).
@@ -288,8 +292,10 @@ def _tools_key(tools: list[dict[str, Any]] | None) -> str:
 
 
 def _sampling(base: SamplingParams, req: ChatRequest) -> SamplingParams:
-    """The batch's sampling parameters with what the call sets (temperature, top_p, stop, seed, top_logprobs)."""
+    """The batch's sampling parameters with what the call sets (temperature, top_p, stop, seed, top_logprobs, and
+    the tool call its ``tool_choice`` forces: the call decides that, whatever the batch's parameters say)."""
     values = base.model_dump()
+    values["tool_call"] = req.tool_call_constraint
     if req.temperature is not None:
         values["temperature"] = req.temperature
     if req.top_p is not None:
