@@ -248,6 +248,20 @@ async def test_a_forced_tool_choice_is_enforced_and_recorded_token_exact(
     assert transcript is not None and transcript.check_results() == [True]
 
 
+async def test_a_forced_call_streams_as_a_tool_call(serve: Callable[..., Served], tok: ChatTokenizer) -> None:
+    served = serve()
+    stream = await served.client.chat.completions.create(model="policy", messages=QUESTION, tools=[*TOOLS, MUL],
+                                                         tool_choice="required", stream=True)
+    calls, finish, ids = [], None, cast(list[int], [])
+    async for chunk in stream:
+        delta = chunk.choices[0].delta
+        calls += delta.tool_calls or []
+        ids += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and [c.function.name for c in calls if c.function] == ["add"]
+    assert ids == served.episode.turns[0].token_ids.tolist()
+
+
 async def test_a_tool_choice_naming_no_tool_is_a_400(serve: Callable[..., Served]) -> None:
     served = serve()
     with pytest.raises(openai.BadRequestError) as err:
