@@ -2,15 +2,14 @@
 tests/e2e/conftest.py): the reply's content ends before the stop string, with nothing after it, while the ids vLLM
 sampled (through the one completing the stop string, which may carry more text) are recorded verbatim.
 
-The same rules on the fake engine: tests/unit/test_openai_semantics.py. ``ROLLOUT_COMPLY_VLLM=1`` also runs the
-``llm-comply`` OpenAI Chat checks against a session served by vLLM (outside CI: the CI run of the suite uses the
-in-test policy, tests/integration/test_llm_comply.py).
+The same rules on the fake engine: tests/unit/test_openai_semantics.py. The ``llm-comply`` OpenAI Chat checks also
+run here against a session served by vLLM (every check that applies passes, tool calling with ``tool_choice:
+"required"`` included); tests/integration/test_llm_comply.py runs them against the in-test policy.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, cast
 
@@ -81,8 +80,6 @@ async def test_a_stop_string_inside_a_token_is_cut_and_the_ids_kept(vllm_engine:
     assert transcript is not None and all(transcript.check_results())
 
 
-@pytest.mark.skipif(os.environ.get("ROLLOUT_COMPLY_VLLM") != "1", reason="llm-comply on vLLM runs outside CI "
-                    "(ROLLOUT_COMPLY_VLLM=1); CI runs it on the in-test policy (tests/integration/test_llm_comply.py)")
 def test_llm_comply_against_a_session_on_vllm(stack: Stack, database_url: str, tmp_path: Path,
                                               vllm_worker: InProcessWorker) -> None:
     stack.start("env-worker", **comply_env(ROLLOUT_MAX_MODEL_LEN=str(E2E_MAX_MODEL_LEN)))

@@ -8,7 +8,7 @@ holds the session open; the suite's requests are then turns of that episode, ans
 Every check of the suite runs unchanged except those not run, each with its reason (``NOT_RUN``). Its
 tool-calling check sends ``tool_choice: "required"``: the endpoint enforces it (the turn is requested with
 ``SamplingParams.tool_call``, which the policy, like the engines, obeys), asserted below. The same suite
-against the real model through vLLM, outside CI: ``ROLLOUT_COMPLY_VLLM=1`` in tests/e2e/test_stop_strings_vllm.py.
+against the real model through vLLM: tests/e2e/test_stop_strings_vllm.py.
 """
 
 from __future__ import annotations
