@@ -20,7 +20,8 @@ from fastapi import FastAPI
 from rollout_ledger.services.scheduler.api.guard import INT64_MAX, INT64_MIN
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 
-REQUEST_MODELS = ("BatchCreate", "SamplingRequest", "ContextRequest", "PolicyVersionCreate")
+REQUEST_MODELS = (
+    "BatchCreate", "SamplingRequest", "ToolCallConstraint", "ContextRequest", "PolicyVersionCreate")
 """Components that describe request bodies (tightened); response models are left as pydantic writes them."""
 NO_NUL = "^[^\\x00]*$"
 """Pattern of every request string: the guard refuses NUL (Postgres text and JSONB cannot hold it)."""
@@ -57,9 +58,14 @@ def _tighten(node: Any, max_chars: int) -> None:
     elif kind == "integer":
         node.setdefault("minimum", INT64_MIN)
         node.setdefault("maximum", INT64_MAX)
-    elif kind == "object" and node.get("additionalProperties") is True:
-        node["additionalProperties"] = {"$ref": f"#/components/schemas/{JSON_VALUE}"}
+    elif kind == "object" and (extra := node.get("additionalProperties")) is not False:
+        # an open object or a map: its keys are request strings too; its values are JSON values, or a schema of
+        # their own (an open model, e.g. a contract model that ignores unknown fields, says nothing of them)
         node["propertyNames"] = {"maxLength": max_chars, "pattern": NO_NUL}
+        if extra is True or extra is None:
+            node["additionalProperties"] = {"$ref": f"#/components/schemas/{JSON_VALUE}"}
+        elif isinstance(extra, dict):
+            _tighten(extra, max_chars)
     for key in ("properties",):
         for child in (node.get(key) or {}).values():
             _tighten(child, max_chars)
