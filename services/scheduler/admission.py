@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from sqlalchemy import and_, func, select, text, update
@@ -124,7 +125,7 @@ def decide(bound: Bound, versions: Versions, admitted: int, waiting: int) -> Dec
     return Decision(admit, limit, None if admit == waiting else "run-ahead: admitted up to the limit")
 
 
-async def read_versions(policy_kv: KeyValue, workers_kv: KeyValue) -> Versions:
+async def read_versions(policy_kv: KeyValue, workers_kv: KeyValue, js: JetStreamContext) -> Versions:
     """The announced version and the live workers' reports, from the bus (``BusError`` when unreadable)."""
     try:
         entry = await policy_kv.get(POLICY_KEY)
@@ -133,7 +134,7 @@ async def read_versions(policy_kv: KeyValue, workers_kv: KeyValue) -> Versions:
     except Exception as exc:  # nats-py timeouts and connection errors share no base class
         raise BusError(f"cannot read the announced policy version: {exc}") from exc
     announcement = parse_announcement(entry.value if entry is not None else None)
-    return Versions.of(announcement.version if announcement else None, await worker_reports(workers_kv))
+    return Versions.of(announcement.version if announcement else None, await worker_reports(workers_kv, js))
 
 
 def bound_of(batch: dict[str, Any]) -> Bound | None:
@@ -234,7 +235,7 @@ class Admission:
         self._nudged.set()
 
     async def versions(self) -> Versions:
-        return await read_versions(self.policy_kv, self.workers_kv)
+        return await read_versions(self.policy_kv, self.workers_kv, self.publisher.js)
 
     async def admit(self, batch_ids: Sequence[str] | None = None) -> int:
         """One pass over ``batch_ids`` (every batch with waiting episodes by default); episodes admitted."""

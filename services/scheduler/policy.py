@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from rollout_ledger.services.scheduler.envs import bucket_keys
 from rollout_ledger.services.scheduler.schemas import PolicyVersionCreate
 from rollout_ledger.services.scheduler.store import store_errors
 from rollout_ledger.shared.db import policy_versions, policy_worker_states, row_dict
@@ -31,7 +33,7 @@ from rollout_ledger.shared.errors import BusError, SchemaError
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import parse_announcement
 from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState, read_value
-from rollout_ledger.shared.subjects import POLICY_KEY
+from rollout_ledger.shared.subjects import POLICY_KEY, POLICY_WORKERS_BUCKET
 
 log = get_logger(__name__)
 
@@ -116,14 +118,13 @@ async def current_version(conn: AsyncConnection) -> dict[str, Any] | None:
     return row_dict(row) if row is not None else None
 
 
-async def worker_reports(kv: KeyValue) -> list[WorkerPolicyReport]:
-    """Every inference worker's latest report (a worker that stopped reporting expires with the bucket's TTL)."""
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
-    except Exception as exc:  # see announce
-        raise BusError(f"cannot read the inference workers' policy reports: {exc}") from exc
+async def worker_reports(kv: KeyValue, js: JetStreamContext) -> list[WorkerPolicyReport]:
+    """Every inference worker's latest report (a worker that stopped reporting expires with the bucket's TTL).
+
+    The keys come from the bucket stream's subjects (``envs.bucket_keys``), not ``kv.keys()``: its watcher can
+    report the bucket empty before its first entry arrives, and no reports read as "no live worker", which lets
+    admission start episodes that a lagging worker should hold back."""
+    keys = await bucket_keys(js, POLICY_WORKERS_BUCKET)
     reports = []
     for key in sorted(keys):
         try:

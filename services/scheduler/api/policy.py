@@ -59,7 +59,7 @@ async def get_policy(res: ResourcesDep) -> PolicyPublic:
         async with res.engine.connect() as conn:
             current = await policy.current_version(conn)
             in_flight = await policy.in_flight_by_version(conn)
-    reports = await policy.worker_reports(res.policy_workers_kv)
+    reports = await policy.worker_reports(res.policy_workers_kv, res.js)
     return PolicyPublic(
         current=PolicyVersionPublic(**{k: current[k] for k in ("version", "checkpoint", "mode", "notes",
                                                                "created_at")}) if current else None,
