@@ -96,7 +96,9 @@ async def test_pool_is_token_exact_enforces_deadlines_and_survives_a_killed_proc
         os.kill(pid, signal.SIGKILL)
     lost = await terminal_of(js, held, timeout_s=30)
     assert (lost.type, lost.failure_class) == ("episode.failed", "agent"), lost
-    assert "was killed by signal 9 before the agent returned" in lost.reason and "after 0 model calls" in lost.reason
+    # the signal, unless asyncio's child watcher lost the status (it then reports 255; seen once on a loaded CI run)
+    killed = ("was killed by signal 9 before the agent returned", "died (exit status lost: asyncio reports 255)")
+    assert any(k in lost.reason for k in killed) and "after 0 model calls" in lost.reason, lost.reason
     (after,) = await submit(url, policy, "after", "chat", [{"q": "Again?", "turns": 1}], [["Back."]])
     assert (await terminal_of(js, after, timeout_s=30)).status == "completed"  # the pool started them again
     restarted = agent_processes(worker)
@@ -128,6 +130,6 @@ async def test_pool_is_token_exact_enforces_deadlines_and_survives_a_killed_proc
             local_tr = sql.rows(f"select {cols} from trajectories where episode_id = :e", e=b)[0]
             assert pool_tr == local_tr
         failed = sql.rows("select failure_class, failure_reason from episodes where id = :e", e=held)[0]
-        assert failed["failure_class"] == "agent" and "signal 9" in failed["failure_reason"]
+        assert failed["failure_class"] == "agent" and failed["failure_reason"] == lost.reason
     finally:
         sql.close()

@@ -31,6 +31,10 @@ from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
 
+LOST_STATUS = 255
+"""What asyncio reports for a child it found already reaped ("Unknown child process pid ..., will report returncode
+255"); a child that really exits with 255 reads the same."""
+
 GRACE_S = 5.0
 """How long past a run's deadline its process may take to answer before it is deemed stuck and killed."""
 START_TIMEOUT_S = 120.0
@@ -109,7 +113,14 @@ class AgentProcess:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()  # its socket closed: it is dying or broken
             code = await self.proc.wait()
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        if code is not None and code < 0:
+            how = f"was killed by signal {-code}"
+        elif code == LOST_STATUS:
+            # asyncio's child watcher found the process already reaped and reports 255: killed or exited, its
+            # real status is gone (seen on a loaded CI machine after a kill -9)
+            how = "died (exit status lost: asyncio reports 255)"
+        else:
+            how = f"exited with code {code}"
         pending, self.pending = self.pending, {}
         if pending:
             log.warning("agent_process.died", index=self.index, pid=self.pid, exit=code, runs=len(pending))
