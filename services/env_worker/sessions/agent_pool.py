@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
+import signal
 import socket
 import sys
 import time
@@ -31,10 +33,8 @@ from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
 
-LOST_STATUS = 255
-"""What asyncio reports for a child it found already reaped ("Unknown child process pid ..., will report returncode
-255"); a child that really exits with 255 reads the same."""
-
+REAP_GRACE_S = 2.0
+"""How long a process whose socket closed may take to exit on its own before it is killed."""
 GRACE_S = 5.0
 """How long past a run's deadline its process may take to answer before it is deemed stuck and killed."""
 START_TIMEOUT_S = 120.0
@@ -110,15 +110,14 @@ class AgentProcess:
         """The process is gone (or its socket is): end its runs ``lost``, saying how it ended."""
         code = None
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()  # its socket closed: it is dying or broken
-            code = await self.proc.wait()
+            try:  # its socket closed: it is exiting, or broken
+                async with asyncio.timeout(REAP_GRACE_S):
+                    code = await asyncio.shield(self.proc.wait())
+            except TimeoutError:
+                await self.kill()
+                code = self.proc.returncode
         if code is not None and code < 0:
             how = f"was killed by signal {-code}"
-        elif code == LOST_STATUS:
-            # asyncio's child watcher found the process already reaped and reports 255: killed or exited, its
-            # real status is gone (seen on a loaded CI machine after a kill -9)
-            how = "died (exit status lost: asyncio reports 255)"
         else:
             how = f"exited with code {code}"
         pending, self.pending = self.pending, {}
@@ -144,9 +143,11 @@ class AgentProcess:
             self.writer.write(frame({"op": "cancel", "id": rid}))
 
     async def kill(self) -> None:
+        """SIGKILL and wait. Not ``Process.kill()``: its ``Popen.poll()`` reaps a child that has just exited before
+        asyncio's child watcher does, which then reports the exit status as 255 (lost)."""
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
+                os.kill(self.proc.pid, signal.SIGKILL)  # not reaped before returncode is set: the pid is still ours
             await self.proc.wait()
 
     async def stop(self) -> None:
