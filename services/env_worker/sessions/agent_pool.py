@@ -116,10 +116,7 @@ class AgentProcess:
             except TimeoutError:
                 await self.kill()
                 code = self.proc.returncode
-        if code is not None and code < 0:
-            how = f"was killed by signal {-code}"
-        else:
-            how = f"exited with code {code}"
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         pending, self.pending = self.pending, {}
         if pending:
             log.warning("agent_process.died", index=self.index, pid=self.pid, exit=code, runs=len(pending))
