@@ -51,8 +51,8 @@ def test_the_service_image_runs_as_its_non_root_user(service_image: str) -> None
     user = subprocess.run(["docker", "image", "inspect", "--format", "{{.Config.User}}", service_image],
                           capture_output=True, text=True, check=True).stdout.strip()
     assert user == f"{deploy.RUN_AS_USER}:{deploy.RUN_AS_USER}"
-    whoami = subprocess.run(["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python3", service_image, "-c",
-                             "import os, rollout_ledger.services.env_worker.main as m; "
+    whoami = subprocess.run(["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python3",
+                             service_image, "-c", "import os, rollout_ledger.services.env_worker.main as m; "
                              "import tau2, reasoning_gym; print(os.getuid(), os.getgid())"],
                             capture_output=True, text=True, timeout=120, check=False)
     assert whoami.returncode == 0, whoami.stderr[-2000:]  # the envs extra is in the image, importable read-only
