@@ -182,7 +182,9 @@ class Pod:
             volume = volumes[name]
             if "emptyDir" in volume:
                 size = volume["emptyDir"].get("sizeLimit")
-                opts = "mode=1777" + (f",size={_quantity_bytes(size)}" if size else "")
+                # an emptyDir allows exec (Docker's tmpfs default is noexec): vLLM's CPU backend loads kernels it
+                # compiled into /tmp
+                opts = "mode=1777,exec" + (f",size={_quantity_bytes(size)}" if size else "")
                 args += ["--tmpfs", f"{path}:{opts}"]
             elif "configMap" in volume or "secret" in volume:
                 kind = "ConfigMap" if "configMap" in volume else "Secret"
