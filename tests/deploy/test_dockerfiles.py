@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_ledger.cli.images import MODEL_CONTEXT
+from rollout_ledger.cli.images import MODEL_CONTEXT, WHEELS_CONTEXT
 from rollout_ledger.services import catalog
 from rollout_ledger.shared import deploy
 from tests.deploy.manifests import ROOT, tool
@@ -139,7 +139,7 @@ def test_dockerignore_admits_exactly_what_is_copied(dockerfile: tuple[dict[str, 
     assert lines[0] == "*", "deny everything, then admit the build's inputs"
     admitted = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
     assert admitted == sources
-    staged = {str(MODEL_CONTEXT.relative_to(ROOT))}  # written by `rollout images` before a build (gitignored)
+    staged = {str(c.relative_to(ROOT)) for c in (MODEL_CONTEXT, WHEELS_CONTEXT)}  # `rollout images` writes them
     for src in sources - staged:
         assert (ROOT / src).exists(), src
     assert sources & staged == staged
