@@ -145,7 +145,8 @@ def permission_table() -> dict[str, Permissions]:
                      sj.WORK_SUBJECT,  # a previous release's scheduler during a rolling upgrade
                      *_kv_write(sj.CANCEL_BUCKET), *_kv_write(sj.POLICY_BUCKET),
                      *_kv_read(sj.ENVS_BUCKET), *_kv_read(sj.POLICY_WORKERS_BUCKET), *_kv_read(sj.POLICY_ENV_BUCKET),
-                     *_kv_read(sj.ENV_WORKERS_BUCKET)),
+                     *_kv_read(sj.ENV_WORKERS_BUCKET),
+                     f"{API}.CONSUMER.LIST.{sj.WORK_STREAM}"),  # the work consumers' state, for the queue gauges
             subscribe=(f"{inbox_prefix(SCHEDULER)}.>",),
         ),
         ENV_WORKER: Permissions(

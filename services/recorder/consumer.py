@@ -206,6 +206,8 @@ class EventConsumer:
             self.metrics.events_processed.labels(type=event_type).inc(n)
         for reason_class, n in outcome.dead_letters.items():
             self.metrics.dead_letters.labels(reason_class=reason_class).inc(n)
+        for (failure_class, retried), n in outcome.failures.items():
+            self.metrics.attempt_failures.labels(failure_class=failure_class, retried=str(retried).lower()).inc(n)
         self.metrics.trajectories_written.inc(outcome.trajectories)
         self.metrics.terminal_naks.inc(outcome.naks)
         if outcome.parked:

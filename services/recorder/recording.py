@@ -96,6 +96,8 @@ class BatchOutcome:
     parked: int = 0
     """Messages of a newer contract major handed back (``Action.PARK``)."""
     newest_event_time: datetime | None = None
+    failures: Counter[tuple[str, bool]] = field(default_factory=Counter)
+    """Rows this batch added to ``attempt_failures``, by (failure class, retried) (a replay adds none)."""
 
 
 def dead_letter_for(d: Delivery, reason: str) -> DeadLetter:
@@ -188,7 +190,8 @@ async def record_batch(tx: Tx, batch: list[Delivery], assembly_max_deliveries: i
             changed.add(ev.episode_id)
 
     await tx.add_dead_letters(letters)
-    await tx.add_attempt_failures([_failure_row(ev) for _, ev in terminals if isinstance(ev, EpisodeFailed)])
+    out.failures += await tx.add_attempt_failures(
+        [_failure_row(ev) for _, ev in terminals if isinstance(ev, EpisodeFailed)])
     started.sort(key=lambda p: (p[1].episode_id, batch[p[0]].stream_seq))
     await tx.apply_started([e for _, e in started])
     await tx.insert_turns(list(turns.values()))
@@ -270,7 +273,7 @@ async def _terminals(tx: Tx, batch: list[Delivery], round_: list[tuple[int, Term
         out.actions[i] = _terminal(batch[i], ev, eps.get(ev.episode_id), records.get(ev.episode_id),
                                    assembly_max_deliveries, out, w)
     await tx.add_dead_letters(w.letters)
-    await tx.add_attempt_failures(w.failures)
+    out.failures += await tx.add_attempt_failures(w.failures)
     out.trajectories += await tx.upsert_trajectories(w.trajectories)
     await tx.finish_episodes(w.finishes)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -298,17 +299,27 @@ class Tx:
                   if d.headers is not None else None) for d in letters],
             )
 
-    async def add_attempt_failures(self, rows: Sequence[AttemptFailure]) -> None:
-        """One row per failed attempt; a replayed event (same ``event_id``) adds nothing."""
+    async def add_attempt_failures(self, rows: Sequence[AttemptFailure]) -> Counter[tuple[str, bool]]:
+        """One row per failed attempt; a replayed event (same ``event_id``) adds nothing. Returns the rows this call
+        inserted, counted by (failure class, retried): what ``rollout_attempt_failures`` counts."""
+        inserted: Counter[tuple[str, bool]] = Counter()
         if not rows:
-            return
+            return inserted
         async with self.pg.cursor() as cur:
             await cur.executemany(
                 "INSERT INTO attempt_failures (event_id, episode_id, batch_id, attempt, failure_class, reason, "
-                "retried, produced_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (event_id) DO NOTHING",
+                "retried, produced_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (event_id) DO NOTHING "
+                "RETURNING failure_class, retried",
                 [(r.event_id, r.episode_id, r.batch_id, r.attempt, r.failure_class, r.reason, r.retried,
                   r.produced_at) for r in rows],
+                returning=True,
             )
+            while True:
+                for failure_class, retried in await cur.fetchall():
+                    inserted[(str(failure_class), bool(retried))] += 1
+                if not cur.nextset():
+                    break
+        return inserted
 
     async def dead_letter_payload(self, source: str, stream_seq: int, subject: str) -> bytes | None:
         async with self.pg.cursor() as cur:

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -68,12 +69,14 @@ class Versions:
     """The newest announced version."""
     serving: int
     """The lowest version a live inference worker serves (``current`` when none reports)."""
+    reporting: int = field(default=0, compare=False)
+    """Inference workers with a live report (for ``rollout_inference_workers_live``; not part of the rule)."""
 
     @classmethod
     def of(cls, announced: int | None, reports: Sequence[WorkerPolicyReport]) -> Versions:
         serving = [r.serving for r in reports if r.serving is not None]
         current = max([announced or 0, *serving])
-        return cls(current=current, serving=min(serving) if serving else current)
+        return cls(current=current, serving=min(serving) if serving else current, reporting=len(reports))
 
     @property
     def gap(self) -> int:
@@ -208,12 +211,13 @@ async def admit_batch(conn: AsyncConnection, batch_id: str,
     return planned, spec
 
 
-async def batches_waiting(conn: AsyncConnection) -> list[str]:
-    """Batches with waiting episodes, oldest first (the partial index ``ix_episodes_waiting``)."""
+async def waiting_by_batch(conn: AsyncConnection) -> dict[str, int]:
+    """Batch id -> its waiting episodes, for the batches that have some, oldest batch first (one scan of the
+    partial index ``ix_episodes_waiting``)."""
     rows = await conn.execute(
-        select(episodes.c.batch_id).where(episodes.c.status == str(EpisodeStatus.WAITING))
+        select(episodes.c.batch_id, func.count()).where(episodes.c.status == str(EpisodeStatus.WAITING))
         .group_by(episodes.c.batch_id).order_by(func.min(episodes.c.created_at)))
-    return [r[0] for r in rows]
+    return {r[0]: int(r[1]) for r in rows}
 
 
 class Admission:
@@ -229,22 +233,34 @@ class Admission:
         self.interval_s = interval_s
         self._nudged = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._progress_at = time.monotonic()
+        """When admission last admitted some episode or found none waiting (``rollout_admission_stalled_seconds``)."""
 
     def nudge(self) -> None:
         """Run a pass soon (a version was announced, a worker reported, a bounded batch was stored)."""
         self._nudged.set()
 
     async def versions(self) -> Versions:
-        return await read_versions(self.policy_kv, self.workers_kv, self.publisher.js)
+        """The versions admission compares now; sets the policy gauges (staleness, live inference workers)."""
+        versions = await read_versions(self.policy_kv, self.workers_kv, self.publisher.js)
+        self.metrics.policy_announced.set(versions.current)
+        self.metrics.policy_serving.set(versions.serving)
+        self.metrics.policy_staleness.set(versions.gap)
+        self.metrics.inference_workers_live.set(versions.reporting)
+        return versions
 
     async def admit(self, batch_ids: Sequence[str] | None = None) -> int:
-        """One pass over ``batch_ids`` (every batch with waiting episodes by default); episodes admitted."""
+        """One pass over ``batch_ids`` (every batch with waiting episodes by default); episodes admitted. A full
+        pass (the default) also sets ``rollout_episodes_waiting`` and ``rollout_admission_stalled_seconds``."""
         async with self._lock:  # one pass at a time in this process (the advisory lock covers the others)
             versions = await self.versions()
+            waiting: int | None = None
             if batch_ids is None:
                 with store.store_errors("finding batches with waiting episodes"):
                     async with self.engine.connect() as conn:
-                        batch_ids = await batches_waiting(conn)
+                        by_batch = await waiting_by_batch(conn)
+                batch_ids = list(by_batch)
+                waiting = sum(by_batch.values())
             total = 0
             for batch_id in batch_ids:
                 with store.store_errors(f"admitting episodes of batch {batch_id}"):
@@ -258,7 +274,19 @@ class Admission:
                          serving=versions.serving)
                 # a failed publish leaves them requested without published_at: the outbox publishes them
                 await self.publisher.publish(planned, spec, source="admission")
+            if waiting is not None:
+                self._gauge_waiting(max(0, waiting - total), admitted=total > 0)
+            elif total > 0:
+                self._progress_at = time.monotonic()
             return total
+
+    def _gauge_waiting(self, left: int, *, admitted: bool) -> None:
+        """After a full pass: ``left`` episodes still wait; stalled while some wait and none were admitted."""
+        now = time.monotonic()
+        if left == 0 or admitted:
+            self._progress_at = now
+        self.metrics.episodes_waiting.set(left)
+        self.metrics.admission_stalled.set(0.0 if left == 0 else now - self._progress_at)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop``: a pass every ``interval_s`` or sooner when nudged."""

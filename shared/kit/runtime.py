@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from rollout_ledger.shared.deploy import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
 from rollout_ledger.shared.kit.logging import get_logger
@@ -44,9 +44,19 @@ class Health:
         return all(results.values()), results
 
 
+def ready_gauge(health: Health, registry: CollectorRegistry) -> Gauge:
+    """``rollout_ready`` in ``registry``: 1 while /readyz would answer 200, else 0 (read from ``health`` at each
+    scrape, so it never goes stale)."""
+    gauge = Gauge("rollout_ready", "1 while this process is ready (/readyz answers 200), else 0", registry=registry)
+    gauge.set_function(lambda: 1.0 if health.status()[0] else 0.0)
+    return gauge
+
+
 def ops_app(service: str, health: Health, registry: CollectorRegistry, app: FastAPI | None = None) -> FastAPI:
-    """Add /healthz, /readyz and /metrics to ``app`` (a new FastAPI app when None)."""
+    """Add /healthz, /readyz and /metrics to ``app`` (a new FastAPI app when None), and ``rollout_ready`` to
+    ``registry``."""
     app = app or FastAPI(title=f"rollout-ledger {service}", docs_url=None, redoc_url=None)
+    ready_gauge(health, registry)
 
     @app.get(LIVENESS_PATH, include_in_schema=False)
     async def healthz(response: Response) -> dict[str, Any]:
