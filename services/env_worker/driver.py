@@ -13,6 +13,10 @@ A failure is an ``EpisodeFailed`` with its class (``env``, ``inference``, ``time
 retryable and the class's budget (``retries.py``) is not spent, the event says ``will_retry`` and the outcome
 carries the next attempt's work item for the caller to publish. ``episode_timeout_s`` bounds reset and turns
 (cancelling whatever is in flight); the terminal event's publication is outside the deadline.
+
+Tracing (shared/kit/tracing.py; no-ops when off): inside the attempt's span (worker.py) each turn's inference round
+trip is a ``turn`` span, the parent of the inference worker's generation, and each env call an ``env.reset`` or
+``env.step`` span; the events carry the attempt's trace context in their headers.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from rollout_ledger.shared.events import (
 from rollout_ledger.shared.kit.bus import msg_id_headers, publish_event
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.publisher import StreamPublisher
+from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.subjects import event_subject
 
 log = get_logger(__name__)
@@ -83,6 +88,8 @@ class DriverDeps:
     """Deadline of one attempt (reset and turns; not the terminal event's publication); 0: none."""
     env_llm: EnvLLM | None = None
     """The chat LLM handed to envs (``EnvContext.llm``): simulated users, judges."""
+    tracing: Tracing = field(default_factory=Tracing.off)
+    """Spans of turns and env calls, children of the attempt's span (off: none)."""
 
     @property
     def produced_by(self) -> str:
@@ -167,7 +174,8 @@ class EpisodeDriver:
         try:
             env.bind(EnvContext(episode_id=self.ep, batch_id=self.item.batch_id, attempt=self.attempt,
                                 llm=self.deps.env_llm))
-            messages = await env.reset(self.item.task)
+            with self.deps.tracing.span("env.reset", attributes={"rollout.env": self.item.env}):
+                messages = await env.reset(self.item.task)
             self.transcript = Transcript(self.deps.template.with_tools(env.tools()), messages)
         except Exception as exc:  # the env's code: any exception is an env failure
             return await self._failed(FailureClass.ENV, f"reset: {type(exc).__name__}: {exc}",
@@ -192,7 +200,8 @@ class EpisodeDriver:
             action, _ = cut_at_stop(text, self.item.sampling.stop)
             started = time.perf_counter()
             try:
-                result = await env.step(action)
+                with self.deps.tracing.span("env.step", attributes={"rollout.turn_index": t}):
+                    result = await env.step(action)
                 env_s = time.perf_counter() - started
                 final = result.terminated or result.truncated or result.aborted or t + 1 >= max_turns
                 view = None  # the full history (the default) builds no copy of the conversation per turn
@@ -252,7 +261,12 @@ class EpisodeDriver:
                                       sampling=self.item.sampling, max_tokens=max_tokens, reply_seq=2 * t + 1,
                                       **common)
 
-        turn = await self.deps.client.generate(build, prefer=self.last_worker)
+        with self.deps.tracing.span("turn", attributes={"rollout.turn_index": t, "rollout.prompt_tokens": len(context),
+                                                        "gen_ai.request.max_tokens": max_tokens}) as span:
+            turn = await self.deps.client.generate(build, prefer=self.last_worker)
+            if span is not None:
+                span.set_attributes({"rollout.inference_worker": turn.worker_id,
+                                     "gen_ai.usage.output_tokens": int(turn.token_ids.shape[0])})
         self.turns += 1
         self.last_worker = turn.worker_id
         return turn

@@ -11,6 +11,9 @@ Replies come back through a ``ReplyInbox`` (shared/kit/inbox.py: one wildcard su
 sweeper, no timer or task per request; at thousands of turns per second those cost more than the routing
 itself), so a try can also be failed from outside: the heartbeat reaper fails the tries of a silent worker.
 
+With tracing on, each request's headers carry the trace context of the turn asking (shared/kit/tracing.py): the
+inference worker's generation span is its child.
+
 A NATS restart: while this client is cut off nobody is reaped, and once it is back the tries still waiting are
 looked up on RL_EVENTS (``recover``): a worker publishes the turn there before it replies, and a reply sent while
 this client was not yet reconnected is lost, though the turn is stored; trying again would generate it twice.
@@ -38,6 +41,7 @@ from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, deco
 from rollout_ledger.shared.kit.backoff import backoff_delay
 from rollout_ledger.shared.kit.inbox import ReplyInbox
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.subjects import (
     ERROR_HEADER,
     EVENTS_STREAM,
@@ -106,9 +110,11 @@ class InferenceClient:
 
     def __init__(self, nc: NATS, config: InferenceClientConfig, *,
                  on_retry: Callable[[], None] | None = None,
-                 on_latency: Callable[[float], None] | None = None) -> None:
+                 on_latency: Callable[[float], None] | None = None, tracing: Tracing | None = None) -> None:
         self.nc = nc
         self.config = config
+        self.tracing = tracing if tracing is not None else Tracing.off()
+        """Carries the current span's trace context in each request's headers (off: no headers)."""
         self.workers: dict[str, WorkerState] = {}
         self._on_retry = on_retry or (lambda: None)
         self._on_latency = on_latency or (lambda _s: None)
@@ -296,7 +302,8 @@ class InferenceClient:
         else:
             self._waiting_any.add(fut)
         try:
-            await self.nc.publish(subject, payload, reply=reply)
+            headers: dict[str, str] | None = self.tracing.inject({}) if self.tracing.enabled else None
+            await self.nc.publish(subject, payload, reply=reply, headers=headers)
             return await fut
         finally:
             self._inbox.close(token)

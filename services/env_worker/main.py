@@ -20,6 +20,7 @@ from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer, ModelNotFoundError, load_chat_tokenizer
 from rollout_ledger.shared.kit.logging import configure_logging, get_logger
 from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app
+from rollout_ledger.shared.kit.tracing import setup_tracing
 
 log = get_logger(__name__)
 
@@ -62,11 +63,14 @@ async def run(settings: EnvWorkerSettings, shutdown: Shutdown) -> None:
                            connect_timeout_s=settings.nats_connect_timeout_s)
     env_llm = ServedEnvLLM.from_settings(settings, nc, template.tokenizer)  # a simulated user's LLM (tau2 envs)
     await env_llm.start()
+    tracing = setup_tracing(settings, SERVICE)  # off unless a collector is configured (ROLLOUT_TRACING_ENDPOINT)
     try:
-        await EnvWorker(settings, nc, envs, template, metrics, health, agents=agents, env_llm=env_llm).run(shutdown)
+        await EnvWorker(settings, nc, envs, template, metrics, health, agents=agents, env_llm=env_llm,
+                        tracing=tracing).run(shutdown)
     finally:
         await env_llm.stop()
         await bus.close(nc)
+        await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered
         if agents is not None:
             await agents.stop()
         await remote.aclose()

@@ -1,7 +1,8 @@
 """The env worker's consume loop: pulls work items for free slots from the consumers of its routes (routing.py: only
 episodes of envs it has reach it), runs each episode as a task under its episode lease (leases.py: a redelivery of
 an episode running elsewhere is held, not run again), holds new episodes back while a policy version is drained
-(policy_gate.py), drains on SIGTERM."""
+(policy_gate.py), drains on SIGTERM. Each attempt is a span of its episode's trace (shared/kit/tracing.py), continued
+from the work item's headers."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from nats.js import JetStreamContext
 
 from rollout_ledger.services.env_worker.cancellation import CancelWatch
 from rollout_ledger.services.env_worker.dead_letters import reject_work_item
-from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
+from rollout_ledger.services.env_worker.driver import AttemptOutcome, DriverDeps, EpisodeDriver
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Lease, LeaseLost
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
@@ -43,6 +44,7 @@ from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import PolicyBus
 from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.kit.runtime import Health, Shutdown, sleep_or_shutdown
+from rollout_ledger.shared.kit.tracing import SpanKind, Tracing
 from rollout_ledger.shared.subjects import (
     LEASE_TTL_S,
     WORK_CONSUMER,
@@ -92,8 +94,10 @@ class EnvWorker:
 
     def __init__(self, settings: EnvWorkerSettings, nc: NATS, envs: EnvRegistry, template: TurnTemplate,
                  metrics: EnvWorkerMetrics, health: Health, agents: AgentRuntime | None = None,
-                 env_llm: EnvLLM | None = None) -> None:
+                 env_llm: EnvLLM | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing if tracing is not None else Tracing.off()
+        """An attempt's span continues the trace of its work item; turns and env calls are its children."""
         self.env_llm = env_llm
         """The chat LLM handed to envs (a simulated user); None: envs get none."""
         self.agents = agents
@@ -116,8 +120,9 @@ class EnvWorker:
             ),
             on_retry=metrics.inference_retries.inc,
             on_latency=metrics.turn_latency.observe,
+            tracing=self.tracing,
         )
-        self.publisher = StreamPublisher(nc, settings.publish_timeout_s)
+        self.publisher = StreamPublisher(nc, settings.publish_timeout_s, self.tracing)
         self.gate = EpisodeGate(PolicyBus(self.js), settings.worker_id, drain_timeout_s=settings.policy_drain_timeout_s,
                                 report_s=settings.policy_report_s, alive=lambda w: w in self.client.workers,
                                 metrics=metrics)
@@ -142,7 +147,8 @@ class EnvWorker:
                           worker_id=self.settings.worker_id, max_model_len=self.settings.max_model_len,
                           publish_timeout_s=self.settings.publish_timeout_s, publisher=self.publisher,
                           budgets=RetryBudgets(self.settings.retry_budgets()),
-                          episode_timeout_s=self.settings.episode_timeout_s, env_llm=self.env_llm)
+                          episode_timeout_s=self.settings.episode_timeout_s, env_llm=self.env_llm,
+                          tracing=self.tracing)
 
     def _runs(self, env: str) -> bool:
         """Whether this worker has the env (a built-in, library, remote or user env, or an agent function)."""
@@ -362,14 +368,7 @@ class EnvWorker:
             return
         self.metrics.episodes_in_flight.inc()
         try:
-            agent = self.agents.driver(deps, item, attempt) if self.agents is not None else None
-            outcome = await (agent or EpisodeDriver(deps, item, attempt)).run()
-            if outcome.retry is not None:
-                # The next attempt's work item goes on the queue before this one is acked (retries.py); if
-                # the publish fails, the handed-back item's redelivery runs that attempt instead.
-                await bus.publish_event(self.js, outcome.retry, timeout=self.settings.publish_timeout_s,
-                                        route=self._route_of(item.env))
-                self.metrics.attempts_retried.labels(failure_class=str(outcome.failure_class)).inc()
+            outcome = await self._attempt(run, item, attempt, deps)
             await run.msgs[-1].ack_sync(timeout=self.settings.publish_timeout_s)
             for m in run.msgs[:-1]:
                 with contextlib.suppress(Exception):
@@ -394,6 +393,26 @@ class EnvWorker:
         finally:
             self.gate.finished()
             self.metrics.episodes_in_flight.dec()
+
+    async def _attempt(self, run: _Running, item: EpisodeRequested, attempt: int, deps: DriverDeps) -> AttemptOutcome:
+        """Run the attempt, in its span (a child of the trace context in the work item's headers, when tracing is on
+        and it carries one), and queue the next attempt's work item when it failed with budget left."""
+        with self.tracing.span("episode", parent=self.tracing.extract(run.msgs[0].headers), kind=SpanKind.CONSUMER,
+                               attributes={"rollout.episode_id": item.episode_id, "rollout.batch_id": item.batch_id,
+                                           "rollout.attempt": attempt, "rollout.env": item.env,
+                                           "rollout.worker_id": self.settings.worker_id}) as span:
+            agent = self.agents.driver(deps, item, attempt) if self.agents is not None else None
+            outcome = await (agent or EpisodeDriver(deps, item, attempt)).run()
+            if span is not None:
+                span.set_attributes({"rollout.status": outcome.status, "rollout.turns": outcome.num_turns})
+            if outcome.retry is not None:
+                # The next attempt's work item goes on the queue before this one is acked (retries.py); if
+                # the publish fails, the handed-back item's redelivery runs that attempt instead. It carries this
+                # attempt's trace context: the next attempt continues the episode's trace.
+                await bus.publish_event(self.js, outcome.retry, timeout=self.settings.publish_timeout_s,
+                                        route=self._route_of(item.env), tracing=self.tracing)
+                self.metrics.attempts_retried.labels(failure_class=str(outcome.failure_class)).inc()
+        return outcome
 
     async def _drain(self) -> None:
         """Let in-flight episodes finish within ``drain_timeout_s``; cancel (and so nak) the rest."""

@@ -16,6 +16,7 @@ from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import configure_logging, get_logger
 from rollout_ledger.shared.kit.policy_bus import PolicyBus
 from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
+from rollout_ledger.shared.kit.tracing import setup_tracing
 from rollout_ledger.shared.policy import EnvPolicyReport
 from rollout_ledger.shared.subjects import POLICY_ENV_BUCKET
 
@@ -34,6 +35,7 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
     http = HttpServer(ops_app(SERVICE, health, metrics.registry), settings.http_host, settings.http_port)
     nc: bus.NATS | None = None
     engine_died = False
+    tracing = setup_tracing(settings, SERVICE)  # off unless a collector is configured (ROLLOUT_TRACING_ENDPOINT)
     try:
         await http.start()
         if engine is None:
@@ -66,7 +68,7 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
         if identity.is_policy:  # a worker of another pool (a simulated user's model) never applies policy versions
             await follower.start()  # serves the announced version from the first turn on (loaded here if newer)
         metrics.weight_version.set_function(lambda: weights.serving)
-        server = InferenceServer(nc, engine, identity, metrics, weights)
+        server = InferenceServer(nc, engine, identity, metrics, weights, tracing)
         await server.start()
         conn = nc
         served = engine
@@ -90,6 +92,7 @@ async def run(settings: InferenceSettings, shutdown: Shutdown, *, engine: Engine
             await engine.stop()
         await bus.close(nc)
         await http.stop()
+        await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered
         log.info("service.stopped")
     if engine_died:
         raise InferenceError("the inference engine died; exiting so that the worker is restarted", retryable=True)

@@ -24,6 +24,10 @@ addressed to its pool (``infer_pool_subject("policy")``). A worker of any other 
 subscribes only to ``infer_pool_subject(pool)`` (and ``INFER_CANCEL``): no heartbeat, so env workers never route
 the policy's turns to it, and policy-version drains never wait for it. A request with ``record=False`` (an env's
 own generation) is answered without publishing its turn; a non-policy pool records none.
+
+Tracing (shared/kit/tracing.py; no-ops when off): a request whose headers carry a trace context is served in a
+``generation`` span, its child (the requesting turn's), and the turn's event carries that span's context on to the
+recorder. A request without one (an older env worker, an env's own generation) is served as before, untraced.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from rollout_ledger.shared.errors import InferenceError, NewerContractError, Rol
 from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.publisher import StreamPublisher
+from rollout_ledger.shared.kit.tracing import SpanKind, Tracing
 from rollout_ledger.shared.subjects import (
     INFER_ANY,
     INFER_CANCEL,
@@ -96,9 +101,11 @@ class InferenceServer:
     """Serves turn requests from NATS with one engine; ``start`` subscribes, ``drain`` stops gracefully."""
 
     def __init__(self, nc: NATS, engine: Engine, identity: WorkerIdentity, metrics: InferenceMetrics,
-                 weights: Weights | None = None) -> None:
+                 weights: Weights | None = None, tracing: Tracing | None = None) -> None:
         self.nc = nc
-        self.publisher = StreamPublisher(nc)
+        self.tracing = tracing if tracing is not None else Tracing.off()
+        """Generation spans, children of the requesting turn (off: none)."""
+        self.publisher = StreamPublisher(nc, tracing=self.tracing)
         self.engine = engine
         self.identity = identity
         self.weights = weights if weights is not None else Weights(engine, identity.weight_version)
@@ -231,7 +238,16 @@ class InferenceServer:
             await self._reply_error(msg, type(exc).__name__, False, str(exc))
             return
         try:
-            await self._generate_and_publish(msg, request, received)
+            parent = self.tracing.extract(msg.headers)
+            if parent is None:
+                await self._generate_and_publish(msg, request, received)
+                return
+            with self.tracing.span("generation", parent=parent, kind=SpanKind.SERVER, attributes={
+                    "rollout.request_id": request.request_id, "rollout.episode_id": request.episode_id,
+                    "rollout.turn_index": request.turn_index, "rollout.worker_id": self.identity.worker_id,
+                    "gen_ai.system": self.engine.name, "gen_ai.request.max_tokens": request.max_tokens,
+                    "gen_ai.usage.input_tokens": int(request.prompt_token_ids.shape[0])}):
+                await self._generate_and_publish(msg, request, received)
         except Exception as exc:  # the last line of defence: answer, never crash the worker
             self.metrics.outcome["internal_error"].inc()
             request_log(request).exception("inference.internal_error")

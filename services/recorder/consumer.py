@@ -5,7 +5,8 @@ Ack policy of the event consumer: a batch is acked only after its transaction co
 down the same batch is retried with exponential backoff and kept alive with in-progress pings, so nothing is
 acked that is not stored. Undecodable messages are dead-lettered and terminated; terminal events whose turns
 are not all stored yet are nak'ed with a delay. A batch the server rejects as data (not a connection problem)
-is replayed one message per transaction so that only the offending message is dead-lettered.
+is replayed one message per transaction so that only the offending message is dead-lettered. With tracing on, each
+batch's write joins the trace of every episode it holds events of (traces.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.backoff import Backoff
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import Shutdown, sleep_or_shutdown
+from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.subjects import (
     DEAD_LETTER_MAX_PAYLOAD,
     DEAD_REASON_HEADER,
@@ -46,6 +48,7 @@ from .metrics import RecorderMetrics
 from .recording import NEWER_CONTRACT, Action, BatchOutcome, Delivery, dead_letter_for, record_batch
 from .settings import RecorderSettings
 from .store import DeadLetter, Store
+from .traces import BatchTraces
 
 log = get_logger(__name__)
 
@@ -89,8 +92,11 @@ class EventConsumer:
     """Fetches event batches, writes each in one transaction, then acks, naks or terminates every message."""
 
     def __init__(self, settings: RecorderSettings, store: Store, nc: NATS, psub: JetStreamContext.PullSubscription,
-                 metrics: RecorderMetrics, shutdown: Shutdown, on_store: Callable[[bool], None]) -> None:
+                 metrics: RecorderMetrics, shutdown: Shutdown, on_store: Callable[[bool], None],
+                 tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing if tracing is not None else Tracing.off()
+        """A batch's write joins the traces its events carry (off: nothing read or made)."""
         self.store = store
         self.nc = nc
         self.psub = psub
@@ -107,12 +113,17 @@ class EventConsumer:
 
     async def handle(self, msgs: list[Msg]) -> None:
         started = time.perf_counter()
+        traces = BatchTraces.of(self.tracing, msgs, time.time_ns()) if self.tracing.enabled else None
         batch = [to_delivery(m) for m in msgs]
         async with bus.keep_in_progress(msgs, max(0.5, self.settings.ack_wait_s / 3)):
             outcome = await self._write(batch)
         if outcome is None:
+            if traces is not None:
+                traces.record(batch, None)
             return  # gave up during shutdown: nothing acked, JetStream redelivers to the next recorder
         await self._settle(msgs, outcome)
+        if traces is not None:
+            traces.record(batch, outcome)
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
 
     async def _write(self, batch: list[Delivery]) -> BatchOutcome | None:

@@ -13,6 +13,7 @@ from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.backoff import Backoff
 from rollout_ledger.shared.kit.logging import configure_logging, get_logger
 from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
+from rollout_ledger.shared.kit.tracing import setup_tracing
 from rollout_ledger.shared.subjects import (
     ADVISORY_CONSUMER,
     ADVISORY_STREAM,
@@ -97,6 +98,7 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
     store = Store(create_engine(settings.database_url, pool_size=settings.db_pool_size))
     nc: bus.NATS | None = None
     subs: list[JetStreamContext.PullSubscription] = []
+    tracing = setup_tracing(settings, "recorder")  # off unless a collector is configured (ROLLOUT_TRACING_ENDPOINT)
     try:
         if not await _wait_for_store(store, settings, shutdown):
             return
@@ -119,7 +121,7 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
         health.ready = True
         log.info("recorder.ready", batch_size=settings.batch_size)
 
-        events = EventConsumer(settings, store, nc, events_sub, metrics, shutdown, on_store)
+        events = EventConsumer(settings, store, nc, events_sub, metrics, shutdown, on_store, tracing)
         advisories = AdvisoryConsumer(settings, store, js, advisory_sub, metrics, shutdown)
         rejected = DeadLetterConsumer(settings, store, dead_sub, metrics, shutdown)
         tasks = [asyncio.create_task(events.run(), name="recorder-events"),
@@ -145,6 +147,7 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
         await bus.close(nc)
         await store.dispose()
         await http.stop()
+        await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered
 
 
 async def _amain(settings: RecorderSettings) -> None:

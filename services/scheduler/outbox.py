@@ -4,7 +4,8 @@ The batch and its episodes are committed before anything is published, so a cras
 loses nothing: episodes still ``requested`` with ``published_at`` NULL are republished by the outbox loop.
 Work items carry a deterministic ``Nats-Msg-Id``, so a republish within the stream's duplicate window is
 dropped by JetStream. Each goes to the subject of its env's route (``envs.RouteBook``), so only env workers that have
-the env get it; with no such worker it waits on the queue.
+the env get it; with no such worker it waits on the queue. With tracing on, each publish is the root span of its
+episode's trace, carried in the work item's headers (shared/kit/tracing.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.events import EpisodeRequested, encode
 from rollout_ledger.shared.kit.bus import JetStreamContext, msg_id_headers
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.tracing import Span, Tracing, end_span
 from rollout_ledger.shared.subjects import work_subject
 
 log = get_logger(__name__)
@@ -41,20 +43,29 @@ class PublishResult:
 
 
 async def publish_work_items(
-    js: JetStreamContext, items: Sequence[EpisodeRequested], timeout_s: float, routes: Mapping[str, str]
+    js: JetStreamContext, items: Sequence[EpisodeRequested], timeout_s: float, routes: Mapping[str, str],
+    tracing: Tracing | None = None,
 ) -> PublishResult:
     """Publish work items with ``publish_async`` to their env's route (``routes``: env -> route) and wait for their
-    acks together (at most ``timeout_s``)."""
+    acks together (at most ``timeout_s``). With ``tracing`` on, each publish (to its ack) is the root span of its
+    episode's trace."""
     if not items:
         return PublishResult([], 0)
     futures: list[tuple[str, asyncio.Future[js_api.PubAck]]] = []
+    spans: dict[str, Span] = {}
     error: str | None = None
     for ev in items:
+        subject = work_subject(routes.get(ev.env) or ev.env)
+        headers = msg_id_headers(ev.event_id)
+        if tracing is not None and tracing.enabled:
+            span = tracing.root("episode.publish", attributes={
+                "rollout.episode_id": ev.episode_id, "rollout.batch_id": ev.batch_id, "rollout.env": ev.env,
+                "rollout.attempt_base": ev.attempt_base, "messaging.destination.name": subject})
+            if span is not None:
+                spans[ev.episode_id] = span
+                tracing.inject(headers, span)
         try:
-            fut = await js.publish_async(
-                work_subject(routes.get(ev.env) or ev.env), encode(ev), wait_stall=timeout_s,
-                headers=msg_id_headers(ev.event_id)
-            )
+            fut = await js.publish_async(subject, encode(ev), wait_stall=timeout_s, headers=headers)
         except Exception as exc:  # nats-py raises unrelated types (closed connection, stalled, ...)
             error = f"{type(exc).__name__}: {exc}"
             break
@@ -74,15 +85,26 @@ async def publish_work_items(
             acked.append(ep_id)
         elif error is None:
             error = f"{type(failure).__name__}: {failure}"
+    if spans:
+        _end_publish_spans(spans, set(acked), error)
     return PublishResult(acked, len(items) - len(acked), error)
+
+
+def _end_publish_spans(spans: Mapping[str, Span], acked: set[str], error: str | None) -> None:
+    """End each episode's publish span; one whose work item the stream did not ack is an error (the outbox's
+    republish starts another trace, unless JetStream drops it as a duplicate of the one stored)."""
+    for ep_id, span in spans.items():
+        end_span(span, None if ep_id in acked else error or "not acked")
 
 
 class Publisher:
     """Publishes work items for stored episodes and stamps ``published_at`` chunk by chunk."""
 
     def __init__(self, js: JetStreamContext, engine: AsyncEngine, settings: SchedulerSettings,
-                 metrics: SchedulerMetrics) -> None:
+                 metrics: SchedulerMetrics, tracing: Tracing | None = None) -> None:
         self.js = js
+        self.tracing = tracing if tracing is not None else Tracing.off()
+        """Each work item's publish starts its episode's trace (off: no span, no trace header)."""
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
@@ -102,7 +124,7 @@ class Publisher:
             return 0
         for start in range(0, len(planned), chunk):
             items = [work_item(ep, spec, self.produced_by) for ep in planned[start : start + chunk]]
-            result = await publish_work_items(self.js, items, self.settings.publish_timeout_s, routes)
+            result = await publish_work_items(self.js, items, self.settings.publish_timeout_s, routes, self.tracing)
             if result.acked:
                 try:
                     with store.store_errors("stamp published_at"):
@@ -139,7 +161,8 @@ class Publisher:
                     return 0
                 items = [work_item(ep, spec, self.produced_by) for ep, spec in rows]
                 routes = await self.routes.routes(item.env for item in items)
-                result = await publish_work_items(self.js, items, self.settings.publish_timeout_s, routes)
+                result = await publish_work_items(self.js, items, self.settings.publish_timeout_s, routes,
+                                                  self.tracing)
                 await store.mark_published(conn, result.acked)
         self.metrics.episodes_published.labels("outbox").inc(len(result.acked))
         self.metrics.episodes_republished.inc(len(result.acked))

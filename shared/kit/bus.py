@@ -24,6 +24,7 @@ from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.events import EventBase, encode
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.settings import NatsSecurity
+from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.nats_auth import inbox_prefix
 from rollout_ledger.shared.subjects import (
     BUCKET_HISTORY,
@@ -255,19 +256,21 @@ async def publish_event(
     *,
     timeout: float = 10.0,  # noqa: ASYNC109 - nats-py's per-request publish timeout
     route: str | None = None,
+    tracing: Tracing | None = None,
 ) -> js_api.PubAck:
     """Publish one event to its subject with its ``event_id`` as ``Nats-Msg-Id``; await the stream's ack. A work
     item (``episode.requested``) goes to its env's ``route`` (``work_subject``); without one, to the legacy
-    subject every env worker pulls."""
+    subject every env worker pulls. With ``tracing`` on, the headers carry the current span's trace context."""
     event_type = str(event.type)
     if event_type == "episode.requested":
         subject = work_subject(route) if route is not None else WORK_SUBJECT
     else:
         subject = event_subject(event_type)
     try:
-        return await js.publish(
-            subject, encode(event), timeout=timeout, headers=msg_id_headers(str(event.event_id))
-        )
+        headers = msg_id_headers(str(event.event_id))
+        if tracing is not None:
+            tracing.inject(headers)
+        return await js.publish(subject, encode(event), timeout=timeout, headers=headers)
     except Exception as exc:
         raise BusError(f"publish of {event_type} failed: {exc}") from exc
 

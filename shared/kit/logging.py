@@ -1,5 +1,6 @@
-"""structlog configuration: JSON lines (console on a TTY), contextvars for batch/episode ids; the stdlib loggers of
-the libraries we run (uvicorn, vLLM, nats-py, httpx, ...) rendered by the same processors into the same stream."""
+"""structlog configuration: JSON lines (console on a TTY), contextvars for batch/episode ids, the current trace id;
+the stdlib loggers of the libraries we run (uvicorn, vLLM, nats-py, httpx, ...) rendered by the same processors into
+the same stream."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from typing import Any
 
 import structlog
+
+from rollout_ledger.shared.kit.tracing import add_trace_ids
 
 _STDLIB_FLOOR = logging.WARNING
 """Library loggers speak from this level up (or the service's level, when higher): their INFO lines are noise."""
@@ -24,6 +27,7 @@ def configure_logging(level: str = "INFO", fmt: str = "auto", service: str = "")
     numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        add_trace_ids,  # trace_id/span_id of the current span (shared/kit/tracing.py); nothing outside one
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

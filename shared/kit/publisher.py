@@ -8,7 +8,8 @@ work. ``StreamPublisher`` publishes the way ``publish_async`` does, its acks com
 
 Same contract as ``publish_event``: the subject is ``rl.events.<type>`` (or the given subject), ``Nats-Msg-Id``
 is the ``event_id``, and a publish succeeds only once the stream has stored the event (or reported it as a
-duplicate of a stored one); otherwise its future fails with ``BusError``.
+duplicate of a stored one); otherwise its future fails with ``BusError``. With tracing on, the headers also carry
+the trace context of the span current at the publish (shared/kit/tracing.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from nats.aio.msg import Msg
 
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.kit.inbox import ReplyInbox
+from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.subjects import MSG_ID_HEADER, event_subject
 
 
@@ -41,9 +43,11 @@ def _resolve_ack(fut: asyncio.Future[None], msg: Msg) -> None:
 class StreamPublisher:
     """Publishes pre-encoded events to a stream and resolves one future per stream ack."""
 
-    def __init__(self, nc: NATS, ack_timeout_s: float = 10.0) -> None:
+    def __init__(self, nc: NATS, ack_timeout_s: float = 10.0, tracing: Tracing | None = None) -> None:
         self.nc = nc
         self.ack_timeout_s = ack_timeout_s
+        self.tracing = tracing if tracing is not None else Tracing.off()
+        """Writes the current span's trace context beside ``Nats-Msg-Id`` (off: nothing)."""
         self._inbox: ReplyInbox[None] = ReplyInbox(
             nc, ack_timeout_s, resolve=_resolve_ack,
             on_timeout=lambda _label: BusError(f"no stream ack within {ack_timeout_s}s"),
@@ -78,7 +82,7 @@ class StreamPublisher:
         token, reply, fut = self._inbox.open(event_type)
         try:
             await self.nc.publish(subject or event_subject(event_type), data, reply=reply,
-                                  headers={MSG_ID_HEADER: event_id})
+                                  headers=self.tracing.inject({MSG_ID_HEADER: event_id}))
         except Exception as exc:  # nats-py raises several unrelated types (closed, reconnecting, ...)
             self._inbox.close(token)
             raise BusError(f"publish of {event_type} failed: {exc}") from exc

@@ -96,6 +96,17 @@ class BaseServiceSettings(BaseSettings):
     stream_replicas: int = Field(1, ge=1, le=5)
     """Replicas of every JetStream stream and KV bucket the services declare: 1 on a single NATS server, 3 on a
     three-node JetStream cluster (an existing stream is scaled to it at the next service start)."""
+    tracing_endpoint: str = Field(
+        "", validation_alias=AliasChoices("ROLLOUT_TRACING_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"))
+    """OpenTelemetry collector (OTLP over HTTP, protobuf) the service sends its spans to, e.g.
+    ``http://otel-collector:4318`` (``/v1/traces`` is appended unless the URL ends with it); the standard
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` is read too. Empty: tracing off, no span made and no trace header written
+    (docs/tracing.md)."""
+    tracing_sample_ratio: float = Field(1.0, ge=0, le=1)
+    """Fraction of episodes traced, decided where the trace starts (the scheduler's publish of the work item) and
+    followed by every service downstream."""
+    tracing_export_timeout_s: float = Field(10.0, gt=0)
+    """How long one export of a batch of spans to the collector may take (the SDK's export thread; never a turn)."""
 
     @field_validator("database_url")
     @classmethod

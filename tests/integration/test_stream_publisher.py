@@ -47,3 +47,36 @@ async def test_an_ack_that_never_comes_fails_after_the_timeout(nc: bus.NATS) -> 
     assert pub.pending == 0
     await silent.unsubscribe()
     await pub.stop()
+
+
+async def test_the_trace_context_rides_beside_the_msg_id(nc: bus.NATS) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from rollout_ledger.shared.events import EpisodeCancelled
+    from rollout_ledger.shared.kit.tracing import TRACEPARENT_HEADER, Tracing
+    from rollout_ledger.shared.subjects import MSG_ID_HEADER, event_subject
+
+    tracing = Tracing.with_exporter("test", InMemorySpanExporter(), batch=False)
+    pub = StreamPublisher(nc, ack_timeout_s=5.0, tracing=tracing)
+    js = nc.jetstream()
+    before = (await js.stream_info(EVENTS_STREAM)).state.messages
+    with tracing.span("episode") as span:
+        assert span is not None
+        await pub.publish("step.completed", "traced-1", b"one")
+        await pub.publish("step.completed", "traced-1", b"one")  # a republish: still deduplicated by its id
+        cancelled = EpisodeCancelled(event_id="b.0.0:a1:end", episode_id="b.0.0", batch_id="b", attempt=1, seq=1,
+                                     produced_by="test")
+        await bus.publish_event(js, cancelled, tracing=tracing)
+    ctx = span.get_span_context()
+    assert (await js.stream_info(EVENTS_STREAM)).state.messages == before + 2
+    for subject, msg_id in (("step.completed", "traced-1"), ("episode.cancelled", "b.0.0:a1:end")):
+        stored = await js.get_last_msg(EVENTS_STREAM, event_subject(subject))
+        headers = stored.headers or {}
+        assert headers[MSG_ID_HEADER] == msg_id
+        assert headers[TRACEPARENT_HEADER].startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
+    untraced = StreamPublisher(nc, ack_timeout_s=5.0)  # tracing off (the default): the headers are as they were
+    await untraced.publish("step.completed", "untraced-1", b"two")
+    stored = await js.get_last_msg(EVENTS_STREAM, event_subject("step.completed"))
+    assert stored.headers == {MSG_ID_HEADER: "untraced-1"}
+    await pub.stop()
+    await untraced.stop()
