@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OPENENV_VENV ?= .venv-openenv
 
-.PHONY: install openenv model engine images demo demo-rl up test test-fast lint bench chaos clean
+.PHONY: install openenv model engine images demo demo-rl up test test-fast dashboards-check viewer-screenshots lint bench chaos clean
 
 install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
 
@@ -45,11 +45,29 @@ demo-rl: install model  ## the closed loop: the stack on vLLM and a GRPO trainer
 up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless NATS_URL/DATABASE_URL are set)
 	$(BIN)/rollout up
 
-test: install model openenv  ## unit, contract, integration (real NATS + Postgres) and end-to-end tests
-	$(BIN)/pytest -q --durations=30
+# Two pytest processes side by side: the real engine's tests and the containers (CPU-bound: vLLM, image builds) in
+# one, everything else (mostly waiting on NATS, Postgres and service processes) in the other; each starts its own
+# NATS and Postgres. The first one's output is printed after the second's.
+SLOW_SUITES := tests/e2e tests/containers
+REST_SUITES := tests/unit tests/contract tests/deploy tests/integration
+test: install model openenv  ## unit, contract, deploy, containers, integration (real NATS + Postgres) and e2e tests
+	@mkdir -p .build
+	@$(BIN)/pytest -q --durations=15 $(SLOW_SUITES) > .build/test-engine-and-containers.log 2>&1 & slow=$$!; \
+	$(BIN)/pytest -q --durations=30 $(REST_SUITES); rest=$$?; \
+	wait $$slow; engine=$$?; \
+	echo "===== $(SLOW_SUITES) (run beside the rest; log: .build/test-engine-and-containers.log) ====="; \
+	cat .build/test-engine-and-containers.log; \
+	echo "make test: the rest exited $$rest, $(SLOW_SUITES) exited $$engine"; \
+	[ $$rest -eq 0 ] && [ $$engine -eq 0 ]
 
 test-fast: install  ## unit and contract tests only
 	$(BIN)/pytest -q tests/unit tests/contract
+
+dashboards-check: install  ## Grafana dashboard + alert rules offline: PromQL vs the services' metrics, promtool check/test
+	$(BIN)/pytest -q tests/deploy/test_observability.py tests/deploy/test_manifests.py -k 'observability or monitoring or strict'
+
+viewer-screenshots: install model  ## the viewer's screenshots in docs/viewer/ (its browser test on a real stack)
+	ROLLOUT_VIEWER_SCREENSHOTS=$(CURDIR)/docs/viewer $(BIN)/pytest -q tests/integration/test_viewer.py
 
 lint: install  ## ruff + mypy
 	$(BIN)/ruff check .
@@ -72,6 +90,8 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.live_update
 	$(BIN)/python -m bench.live_update --workload episodes
 	$(BIN)/python -m bench.agent_gateway
+	$(BIN)/python -m bench.tracing_cost
+	$(BIN)/python -m bench.viewer_render
 
 chaos: install model  ## fault run: 2,000 episodes, kill -9 of every service twice, NATS restart, Postgres down 30 s
 	$(BIN)/python -m bench.chaos

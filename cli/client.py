@@ -63,6 +63,11 @@ def resolve_token(url: str, token: str | None = None) -> str | None:
         return token
     if os.environ.get("ROLLOUT_API_TOKEN"):
         return os.environ["ROLLOUT_API_TOKEN"]
+    return local_token(url)
+
+
+def local_token(url: str) -> str | None:
+    """The token ``rollout up`` / ``rollout demo`` recorded for ``url`` (None when ``url`` is not that stack's)."""
     try:
         saved = json.loads(local_stack_file().read_text())
     except (OSError, ValueError):
@@ -70,6 +75,13 @@ def resolve_token(url: str, token: str | None = None) -> str | None:
     if isinstance(saved, dict) and saved.get("url") == url.rstrip("/") and isinstance(saved.get("token"), str):
         return str(saved["token"])
     return None
+
+
+def viewer_link(url: str, page: str, token: str | None = None) -> str:
+    """The viewer's address of ``page`` (``/batch/<id>``, ``/episode/<id>``, ...). ``token`` travels in the
+    fragment, which the browser never sends to a server: give it only for a local stack's own token."""
+    base = f"{url.rstrip('/')}/viewer/#{page}"
+    return f"{base}?token={token}" if token else base
 
 
 class SchedulerClient:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import create_engine, text
 
-from rollout_ledger.cli.client import SchedulerClient
+from rollout_ledger.cli.client import SchedulerClient, viewer_link
 from rollout_ledger.cli.stack.devstack import DevStack
 from rollout_ledger.migrations.runner import sync_url
 from rollout_ledger.services.exporter.export import export_batch
@@ -101,8 +101,9 @@ def demo_batches(num_tasks: int) -> list[tuple[DemoBatch, list[dict[str, Any]]]]
 
 
 def run_demo(num_tasks: int = 4, group_size: int = 4, out: Path = Path("exports"), engine: str = "vllm",
-             console: Console | None = None) -> int:
-    """Run the demo; 0 when every submitted episode has its trajectory in Postgres."""
+             console: Console | None = None, stay: bool = False) -> int:
+    """Run the demo; 0 when every submitted episode has its trajectory in Postgres. ``stay``: keep the stack up
+    after the summary (for the viewer's links) until Ctrl-C."""
     if console is None:
         console = Console()
         if not console.is_terminal:
@@ -138,6 +139,14 @@ def run_demo(num_tasks: int = 4, group_size: int = 4, out: Path = Path("exports"
         console.print("\nTry SQL against the store while `make up` runs (psql \"$DATABASE_URL\"; "
                       "`rollout up` prints the URL):")
         console.print(EXAMPLE_SQL, markup=False, highlight=False)
+        console.print("See the trajectories token by token in the viewer" + (
+            ":" if stay else " (`rollout demo --stay` keeps the stack up to browse them):"))
+        for batch_id in batch_ids:
+            console.print(f"  {viewer_link(stack.scheduler_url, f'/batch/{batch_id}', stack.api_token)}",
+                          markup=False, highlight=False, soft_wrap=True)
+        if stay:
+            console.print("the stack stays up for the viewer: Ctrl-C stops everything.")
+            stack.wait_forever()
     ok = total_trajectories == submitted
     verdict = "[green]ok[/green]" if ok else "[red]MISSING TRAJECTORIES[/red]"
     console.print(f"\n{total_trajectories}/{submitted} trajectories stored: {verdict}; "

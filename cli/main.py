@@ -198,11 +198,14 @@ def submit(
 def status(
     batch_id: str,
     url: str = typer.Option("http://127.0.0.1:8000", envvar="ROLLOUT_SCHEDULER_URL", help="scheduler URL"),
+    token: str = typer.Option(None, envvar="ROLLOUT_API_TOKEN", help="bearer token (default: `rollout up`'s)"),
 ) -> None:
-    """Show a batch's episodes by status and its mean reward."""
-    from rollout_ledger.cli.client import SchedulerClient, print_batch
+    """Show a batch's episodes by status and its mean reward, and where to see it in the viewer."""
+    from rollout_ledger.cli.client import SchedulerClient, local_token, print_batch, viewer_link
 
-    print_batch(SchedulerClient(url).batch(batch_id))
+    print_batch(SchedulerClient(url, token).batch(batch_id))
+    # a local stack's own token rides in the link's fragment; any other token stays out of the terminal
+    typer.echo(f"viewer: {viewer_link(url, f'/batch/{batch_id}', None if token else local_token(url))}")
 
 
 @app.command()
@@ -492,9 +495,11 @@ def demo(
     max_staleness: int = typer.Option(None, help="with --rl: pipelined, one batch bounded at admission: generation "
                                                  "runs at most K versions ahead of the trainer (default: a batch "
                                                  "per iteration)"),
+    stay: bool = typer.Option(False, "--stay", help="keep the stack up after the summary, to open the viewer's "
+                                                    "links, until Ctrl-C"),
 ) -> None:
-    """Bring everything up, run a demo batch end to end, print a summary and the export path, and stop
-    (--rl: train SmolLM2 with GRPO against the running stack for a few policy versions)."""
+    """Bring everything up, run a demo batch end to end, print a summary, the export path and the viewer's
+    links, and stop (--rl: train SmolLM2 with GRPO against the running stack for a few policy versions)."""
     from pathlib import Path
 
     from rollout_ledger.cli.demo import run_demo, run_rl_demo
@@ -505,7 +510,8 @@ def demo(
         extra = ("--max-staleness", str(max_staleness)) if max_staleness is not None else ()
         raise typer.Exit(run_rl_demo(iterations=iterations, num_tasks=num_tasks or 8, group_size=group_size,
                                      trainer_args=extra))
-    raise typer.Exit(run_demo(num_tasks=num_tasks or 4, group_size=group_size, out=Path(out), engine=engine))
+    raise typer.Exit(run_demo(num_tasks=num_tasks or 4, group_size=group_size, out=Path(out), engine=engine,
+                              stay=stay))
 
 
 def main() -> None:

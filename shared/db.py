@@ -239,7 +239,7 @@ dead_letters = Table(
 )
 
 
-SCHEMA_REVISION = "0012"
+SCHEMA_REVISION = "0013"
 """The Alembic revision these tables describe and this code expects: the newest file in migrations/versions
 (tests/unit/test_schema_revision.py fails when a migration is added without moving it)."""
 

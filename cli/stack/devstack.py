@@ -122,6 +122,7 @@ class DevStack:
     def describe(self) -> str:
         return "\n".join([
             f"scheduler     {self.scheduler_url}   (OpenAPI docs: {self.scheduler_url}/docs)",
+            f"viewer        {self.scheduler_url}/viewer/   (`rollout status BATCH` prints a batch's link)",
             f"API token     {self.api_token[:4]}... (the CLI reads it from {local_stack_file()}; "
             "for other clients: ROLLOUT_API_TOKEN=$(jq -r .token FILE))" if self.scheduler_port is not None else
             f"API token     {self.api_token}",

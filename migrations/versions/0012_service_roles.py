@@ -22,7 +22,8 @@ run as the writer). Every role reads ``alembic_version`` (each service checks th
 Nobody but the owner (the role that runs the migrations) may DELETE, TRUNCATE, ALTER or DROP anything else: no
 grant says so, ``PUBLIC`` loses its default ``TEMP`` and ``CREATE`` on this database and ``CREATE`` on schema
 ``public``. Login users are made by the deployment (``rollout db create-login``; the local stack and the k8s
-``db-logins`` Job do it) as members of these roles. A later migration that adds a table grants it here too.
+``db-logins`` Job do it) as members of these roles. A later migration that adds a table grants it here too
+(0013: the scheduler reads ``logprob_audits``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rollout_ledger.services.scheduler import policy
+from rollout_ledger.services.scheduler import policy, queue_gauges
 from rollout_ledger.services.scheduler.admission import Admission
 from rollout_ledger.services.scheduler.api import batches, episodes
 from rollout_ledger.services.scheduler.api import envs as envs_api
@@ -31,13 +31,22 @@ from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.state import Resources, SchedulerState
 from rollout_ledger.services.scheduler.trajectory_view import TokenizerCache
+from rollout_ledger.services.scheduler.viewer import routes as viewer_api
+from rollout_ledger.services.scheduler.viewer.pages import mount_viewer
 from rollout_ledger.shared.db import check_schema, create_engine
 from rollout_ledger.shared.deploy import METRICS_PATH
 from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import Health, ops_app
-from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, POLICY_BUCKET, POLICY_WORKERS_BUCKET
+from rollout_ledger.shared.kit.tracing import setup_tracing
+from rollout_ledger.shared.subjects import (
+    CANCEL_BUCKET,
+    ENV_WORKERS_BUCKET,
+    ENVS_BUCKET,
+    POLICY_BUCKET,
+    POLICY_WORKERS_BUCKET,
+)
 
 log = get_logger(__name__)
 
@@ -66,6 +75,7 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
             cancel_kv = await js.key_value(CANCEL_BUCKET)
             policy_kv = await js.key_value(POLICY_BUCKET)
             policy_workers_kv = await js.key_value(POLICY_WORKERS_BUCKET)
+            env_workers_kv = await js.key_value(ENV_WORKERS_BUCKET)
         except Exception as exc:  # nats-py API errors and timeouts share no base class
             raise BusError(f"cannot declare the streams and buckets: {exc}") from exc
     except Exception as exc:
@@ -75,7 +85,8 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
         if engine is not None:
             await engine.dispose()
         raise
-    publisher = Publisher(js, engine, settings, state.metrics)
+    tracing = setup_tracing(settings, SERVICE)  # off unless a collector is configured (ROLLOUT_TRACING_ENDPOINT)
+    publisher = Publisher(js, engine, settings, state.metrics, tracing)
     admission = Admission(engine, publisher, policy_kv, policy_workers_kv, state.metrics,
                           interval_s=settings.admission_interval_s)
     state.resources = Resources(nc, js, engine, envs_kv, cancel_kv, publisher, policy_kv, policy_workers_kv,
@@ -92,6 +103,8 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
     mirror = asyncio.create_task(policy.run_mirror(policy_workers_kv, engine, stop, on_report=admission.nudge),
                                  name="scheduler-policy-mirror")
     admitting = asyncio.create_task(admission.run(stop), name="scheduler-admission")
+    gauging = asyncio.create_task(queue_gauges.run(state.metrics, js, env_workers_kv, stop),
+                                  name="scheduler-queue-gauges")
     state.health.ready = True
     log.info("scheduler.ready")
     try:
@@ -99,7 +112,7 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         state.health.ready = False
         stop.set()
-        for task in (outbox, mirror, admitting):
+        for task in (outbox, mirror, admitting, gauging):
             try:
                 await asyncio.wait_for(task, timeout=settings.drain_timeout_s)
             except (TimeoutError, asyncio.CancelledError):
@@ -109,6 +122,7 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.resources = None
         await bus.close(nc)
         await engine.dispose()
+        await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered
         log.info("scheduler.stopped")
 
 
@@ -190,6 +204,8 @@ def create_app(settings: SchedulerSettings, *, with_lifespan: bool = True) -> Fa
     app.include_router(episodes.router)
     app.include_router(envs_api.router)
     app.include_router(policy_api.router)
+    app.include_router(viewer_api.router)
+    mount_viewer(app)
     ops_app(SERVICE, health, metrics.registry, app)
     app.openapi = behaving_schema(app, settings)  # type: ignore[method-assign]  # FastAPI's documented override
     app.add_middleware(BodyGuard, settings=settings)

@@ -84,6 +84,7 @@ class ChatTokenizer:
         self.eos_token_id = self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self.tokenizer.get_vocab_size()
         self._segments = SegmentEncoder.build(self)
+        self._template_texts: frozenset[str] | None = None
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False,
                tools: list[dict[str, Any]] | None = None) -> str:
@@ -105,6 +106,20 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
         as_list = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
         return str(self.tokenizer.decode(as_list, skip_special_tokens=skip_special_tokens))
+
+    def template_texts(self) -> frozenset[str]:
+        """The texts the chat template writes between special tokens whatever the messages say: role headers,
+        separators, a default system prompt (from renderings of small conversations; computed once)."""
+        if self._template_texts is None:
+            specials = [str(t.content) for t in self.tokenizer.get_added_tokens_decoder().values() if t.content]
+            cut = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))) if specials \
+                else None
+            texts: set[str] = set()
+            for text in _placeholder_renders(self, _PLACEHOLDER):
+                parts = cut.split(text) if cut is not None else [text]
+                texts.update(p for p in parts if p and _PLACEHOLDER not in p)
+            self._template_texts = frozenset(texts)
+        return self._template_texts
 
     def stream_texts(self, ids: Sequence[int] | np.ndarray) -> list[str]:
         """The text each id adds to ``decode(ids, skip_special_tokens=True)``: one piece per id, in linear time.

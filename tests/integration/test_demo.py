@@ -22,3 +22,4 @@ def test_demo_runs_mixed_batch_and_prints_summary(tmp_path: Path, model_dir: str
     assert "prefix cache hit rate" in out and "tok/s end to end" in out
     assert len(list((tmp_path / "exports").glob("*.jsonl"))) == 5
     assert "select env, status" in out  # the example SQL
+    assert out.count("/viewer/#/batch/") == 5 and "rollout demo --stay" in out  # a viewer link per batch

@@ -49,3 +49,24 @@ def test_forget_removes_only_its_own_record() -> None:
     assert not local_stack_file().exists()
     forget_local_stack("http://127.0.0.1:8000")  # nothing left: no error
     assert resolve_token("http://127.0.0.1:8000") is None
+
+
+def test_status_links_the_viewer_with_the_local_token_only(state_home: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rollout status` ends with the batch's viewer link; the local stack's own token rides in the fragment (never
+    sent to a server), a token the user gave never reaches the terminal."""
+    from typer.testing import CliRunner
+
+    from rollout_ledger.cli import main as cli
+    from rollout_ledger.cli.client import viewer_link
+
+    save_local_stack("http://127.0.0.1:8000", "up-token-0123456789")
+    info = {"batch_id": "b1", "counts": {"completed": 2}, "mean_reward": 0.5, "num_trajectories": 2}
+    monkeypatch.setattr(SchedulerClient, "batch", lambda self, batch_id: info)
+    out = CliRunner().invoke(cli.app, ["status", "b1"]).output
+    assert "viewer: http://127.0.0.1:8000/viewer/#/batch/b1?token=up-token-0123456789" in out
+    out = CliRunner().invoke(cli.app, ["status", "b1", "--token", "secret-of-the-user"]).output
+    assert "viewer: http://127.0.0.1:8000/viewer/#/batch/b1\n" in out and "secret-of-the-user" not in out
+    out = CliRunner().invoke(cli.app, ["status", "b1", "--url", "http://elsewhere:8000"]).output
+    assert "viewer: http://elsewhere:8000/viewer/#/batch/b1\n" in out and "up-token" not in out
+    assert viewer_link("http://h:1/", "/episode/b.0.0") == "http://h:1/viewer/#/episode/b.0.0"

@@ -1,0 +1,229 @@
+"""The viewer's reads in Postgres: batch list, a batch's episodes (filtered), its reward histogram and failures,
+a group's siblings, an episode's trajectory, steps, turns and logprob audits. Read-only; the scheduler's login.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import and_, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from rollout_ledger.shared.db import (
+    attempt_failures,
+    batches,
+    episodes,
+    logprob_audits,
+    row_dict,
+    steps,
+    trajectories,
+    turns,
+)
+
+HISTOGRAM_BINS = 10
+
+
+@dataclass(frozen=True)
+class EpisodeFilter:
+    """What the episode list keeps: every given field must match (None: any)."""
+
+    env: str | None = None
+    status: str | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    version: int | None = None
+    """A weight version that sampled some of its kept turns."""
+    failure_class: str | None = None
+
+
+def version_label(versions: Sequence[int] | None) -> str:
+    """``v3``; ``v2-3`` for an episode sampled across a weight swap; ``none`` before any sampled turn."""
+    if not versions:
+        return "none"
+    low, high = min(versions), max(versions)
+    return f"v{low}" if low == high else f"v{low}-{high}"
+
+
+async def list_batches(conn: AsyncConnection, limit: int, offset: int) -> tuple[int, list[dict[str, Any]]]:
+    """How many batches there are, and one page of them, newest first, each with its counts per status and mean
+    reward."""
+    total = int((await conn.execute(select(func.count()).select_from(batches))).scalar() or 0)
+    query = select(batches.c.id, batches.c.env, batches.c.num_tasks, batches.c.group_size, batches.c.num_episodes,
+                   batches.c.created_at, batches.c.cancelled_at, batches.c.max_staleness)
+    rows = [row_dict(r) for r in await conn.execute(
+        query.order_by(batches.c.created_at.desc(), batches.c.id).limit(limit).offset(offset))]
+    if not rows:
+        return total, []
+    ids = [r["id"] for r in rows]
+    counts: dict[str, dict[str, int]] = defaultdict(dict)
+    rewards: dict[str, float | None] = {}
+    stat_rows = await conn.execute(
+        select(episodes.c.batch_id, episodes.c.status, func.count(), func.avg(episodes.c.reward))
+        .where(episodes.c.batch_id.in_(ids)).group_by(episodes.c.batch_id, episodes.c.status))
+    sums: dict[str, tuple[float, int]] = {}
+    for batch_id, status, count, mean in stat_rows:
+        counts[batch_id][status] = int(count)
+        if mean is not None:
+            reward_sum, n = sums.get(batch_id, (0.0, 0))
+            sums[batch_id] = (reward_sum + float(mean) * int(count), n + int(count))
+    for batch_id, (reward_sum, n) in sums.items():
+        rewards[batch_id] = reward_sum / n if n else None
+    for r in rows:
+        r["counts"] = counts.get(r["id"], {})
+        r["mean_reward"] = rewards.get(r["id"])
+    return total, rows
+
+
+def _filters(batch_id: str, f: EpisodeFilter) -> list[Any]:
+    conds: list[Any] = [episodes.c.batch_id == batch_id]
+    if f.env is not None:
+        conds.append(episodes.c.env == f.env)
+    if f.status is not None:
+        conds.append(episodes.c.status == f.status)
+    if f.reward_min is not None:
+        conds.append(episodes.c.reward >= f.reward_min)
+    if f.reward_max is not None:
+        conds.append(episodes.c.reward <= f.reward_max)
+    if f.version is not None:
+        conds.append(episodes.c.weight_versions.any(f.version))
+    if f.failure_class is not None:
+        conds.append(episodes.c.failure_class == f.failure_class)
+    return conds
+
+
+async def list_episodes(conn: AsyncConnection, batch_id: str, f: EpisodeFilter, limit: int,
+                        offset: int) -> tuple[int, list[dict[str, Any]]]:
+    """How many episodes of the batch match, and one page of them in task and group order."""
+    where = and_(*_filters(batch_id, f))
+    total = int((await conn.execute(select(func.count()).select_from(episodes).where(where))).scalar() or 0)
+    query = (
+        select(episodes.c.id, episodes.c.group_id, episodes.c.task_index, episodes.c.group_index, episodes.c.env,
+               episodes.c.status, episodes.c.attempt, episodes.c.reward, episodes.c.num_turns,
+               episodes.c.stop_reason, episodes.c.failure_class, episodes.c.failure_reason,
+               episodes.c.weight_versions, trajectories.c.num_tokens, trajectories.c.num_sampled_tokens,
+               trajectories.c.num_segments)
+        .select_from(episodes.outerjoin(trajectories, trajectories.c.episode_id == episodes.c.id))
+        .where(where).order_by(episodes.c.task_index, episodes.c.group_index).limit(limit).offset(offset)
+    )
+    return total, [row_dict(r) for r in await conn.execute(query)]
+
+
+@dataclass
+class Histogram:
+    """Rewards of one env and weight version, counted in the batch-wide bins."""
+
+    env: str
+    version: str
+    counts: list[int]
+    n: int
+    mean: float
+
+
+@dataclass
+class BatchSummary:
+    """The viewer's batch page: reward histograms, failures and the filter choices."""
+
+    edges: list[float]
+    histograms: list[Histogram]
+    failures: dict[str, int]
+    """Failed episodes by failure class."""
+    attempt_failures: dict[str, dict[str, int]]
+    """Every failed attempt by class: ``{"retried": n, "final": m}``."""
+    envs: list[str]
+    versions: list[int]
+    statuses: dict[str, int] = field(default_factory=dict)
+
+
+def bin_edges(rewards: Sequence[float], bins: int = HISTOGRAM_BINS) -> list[float]:
+    """``bins + 1`` edges over the rewards' range (a one-value range is widened by 0.5 each side)."""
+    if not rewards:
+        return [0.0, 1.0]
+    low, high = min(rewards), max(rewards)
+    if math.isclose(low, high):
+        low, high = low - 0.5, high + 0.5
+    step = (high - low) / bins
+    return [low + i * step for i in range(bins)] + [high]
+
+
+def bin_of(edges: Sequence[float], value: float) -> int:
+    """The bin of ``value``; the last bin is closed on the right."""
+    bins = len(edges) - 1
+    index = int((value - edges[0]) / (edges[-1] - edges[0]) * bins)
+    return max(0, min(bins - 1, index))
+
+
+async def batch_summary(conn: AsyncConnection, batch_id: str) -> BatchSummary:
+    rows = (await conn.execute(
+        select(episodes.c.env, episodes.c.status, episodes.c.reward, episodes.c.weight_versions,
+               episodes.c.failure_class).where(episodes.c.batch_id == batch_id))).all()
+    rewarded = [(env, float(reward), version_label(versions)) for env, _, reward, versions, _ in rows
+                if reward is not None]
+    edges = bin_edges([r for _, r, _ in rewarded])
+    grouped: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for env, reward, label in rewarded:
+        grouped[(env, label)].append(reward)
+    histograms = []
+    for (env, label), values in sorted(grouped.items()):
+        counts = [0] * (len(edges) - 1)
+        for v in values:
+            counts[bin_of(edges, v)] += 1
+        histograms.append(Histogram(env, label, counts, len(values), sum(values) / len(values)))
+    failures = Counter(fc or "unknown" for _, status, _, _, fc in rows if status == "failed")
+    attempts: dict[str, dict[str, int]] = defaultdict(lambda: {"retried": 0, "final": 0})
+    for fc, retried, count in await conn.execute(
+            select(attempt_failures.c.failure_class, attempt_failures.c.retried, func.count())
+            .where(attempt_failures.c.batch_id == batch_id)
+            .group_by(attempt_failures.c.failure_class, attempt_failures.c.retried)):
+        attempts[fc]["retried" if retried else "final"] += int(count)
+    versions = sorted({int(v) for *_, vs, _ in rows for v in (vs or ())})
+    return BatchSummary(edges=edges, histograms=histograms, failures=dict(failures),
+                        attempt_failures=dict(attempts), envs=sorted({r[0] for r in rows}), versions=versions,
+                        statuses=dict(Counter(r[1] for r in rows)))
+
+
+async def group_siblings(conn: AsyncConnection, batch_id: str, task_index: int) -> list[dict[str, Any]]:
+    """The episodes of one task (a GRPO group) in group order, with their trajectories where recorded."""
+    query = (
+        select(episodes.c.id, episodes.c.group_id, episodes.c.group_index, episodes.c.env, episodes.c.status,
+               episodes.c.reward, episodes.c.failure_class, episodes.c.weight_versions, trajectories.c.token_ids,
+               trajectories.c.loss_mask, trajectories.c.prompt_len)
+        .select_from(episodes.outerjoin(trajectories, trajectories.c.episode_id == episodes.c.id))
+        .where(episodes.c.batch_id == batch_id, episodes.c.task_index == task_index)
+        .order_by(episodes.c.group_index)
+    )
+    return [row_dict(r) for r in await conn.execute(query)]
+
+
+async def episode_detail(conn: AsyncConnection, episode_id: str) -> dict[str, Any] | None:
+    """The trajectory with its episode's task position, the kept steps and turns, and its logprob audits;
+    None when the episode has no trajectory."""
+    traj = (await conn.execute(
+        select(trajectories, episodes.c.task_index, episodes.c.group_index, episodes.c.stop_reason,
+               episodes.c.failure_reason)
+        .select_from(trajectories.join(episodes, episodes.c.id == trajectories.c.episode_id))
+        .where(trajectories.c.episode_id == episode_id))).first()
+    if traj is None:
+        return None
+    detail = row_dict(traj)
+    attempt = detail["attempt"]
+    detail["steps"] = [row_dict(r) for r in await conn.execute(
+        select(steps.c.turn_index, steps.c.action, steps.c.observation, steps.c.reward, steps.c.terminated,
+               steps.c.truncated, steps.c.drift, steps.c.new_segment, steps.c.info, steps.c.step_ms)
+        .where(steps.c.episode_id == episode_id, steps.c.attempt == attempt, steps.c.superseded.is_(False))
+        .order_by(steps.c.turn_index))]
+    detail["turns"] = [row_dict(r) for r in await conn.execute(
+        select(turns.c.turn_index, turns.c.weight_version, turns.c.finish_reason, turns.c.engine,
+               turns.c.worker_id, turns.c.queue_ms, turns.c.generate_ms, turns.c.cached_tokens)
+        .where(turns.c.episode_id == episode_id, turns.c.attempt == attempt, turns.c.superseded.is_(False))
+        .order_by(turns.c.turn_index))]
+    detail["audits"] = [row_dict(r) for r in await conn.execute(
+        select(logprob_audits.c.source, logprob_audits.c.checkpoint, logprob_audits.c.engine,
+               logprob_audits.c.num_tokens, logprob_audits.c.mean_abs_delta, logprob_audits.c.p99_abs_delta,
+               logprob_audits.c.max_abs_delta, logprob_audits.c.created_at)
+        .where(logprob_audits.c.episode_id == episode_id, logprob_audits.c.attempt == attempt)
+        .order_by(logprob_audits.c.created_at))]
+    return detail

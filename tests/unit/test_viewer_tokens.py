@@ -1,0 +1,107 @@
+"""The viewer's per-token rows: pieces, origins, tool-call folds and the first divergence, on the real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_ledger.services.scheduler.viewer.queries import bin_edges, bin_of, version_label
+from rollout_ledger.services.scheduler.viewer.tokens import (
+    Origin,
+    first_divergence,
+    special_ids,
+    token_origins,
+    token_pieces,
+    tool_call_folds,
+)
+from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: str) -> ChatTokenizer:
+    return load_chat_tokenizer(model_dir)
+
+
+def _conversation(tok: ChatTokenizer) -> tuple[list[int], list[int], list[list[int]]]:
+    """prompt (system + user), a sampled answer with a tool call, the tool's observation, a second answer."""
+    prompt = tok.encode(tok.render([{"role": "user", "content": "Cancel order #W1 ünïcödé 🎲"}],
+                                   add_generation_prompt=True)).tolist()
+    answer = tok.encode('Sure.<tool_call>\n{"name": "cancel_order", "arguments": {"order_id": "#W1"}}\n'
+                        "</tool_call><|im_end|>").tolist()
+    obs = tok.encode("\n<|im_start|>tool\n{\"status\": \"cancelled\"}<|im_end|>\n<|im_start|>assistant\n").tolist()
+    second = tok.encode("Done.<|im_end|>").tolist()
+    ids = prompt + answer + obs + second
+    a0 = [len(prompt), len(prompt) + len(answer)]
+    a1 = [a0[1] + len(obs), a0[1] + len(obs) + len(second)]
+    mask = [0] * len(ids)
+    for start, end in (a0, a1):
+        mask[start:end] = [1] * (end - start)
+    return ids, mask, [a0, a1]
+
+
+def test_pieces_show_every_token_and_concatenate_to_the_text(tok: ChatTokenizer) -> None:
+    ids, _, _ = _conversation(tok)
+    specials = special_ids(tok)
+    pieces = token_pieces(tok, ids, specials)
+    assert len(pieces) == len(ids)
+    assert "".join(p for p, i in zip(pieces, ids, strict=True) if i not in specials) == tok.decode(
+        ids, skip_special_tokens=True)
+    assert "".join(pieces) == tok.decode(ids)  # specials shown as themselves: the whole sequence, exactly
+    assert pieces[0] == "<|im_start|>"
+
+
+def test_origins_sampled_template_environment(tok: ChatTokenizer) -> None:
+    ids, mask, ranges = _conversation(tok)
+    specials = special_ids(tok)
+    pieces = token_pieces(tok, ids, specials)
+    origins = token_origins(pieces, ids, mask, specials, tok.template_texts())
+    assert [i for i, o in enumerate(origins) if o == Origin.SAMPLED] == [i for i, m in enumerate(mask) if m]
+    # the sampled <|im_end|> stays sampled: what the policy sampled is never the template's
+    assert origins[ranges[0][1] - 1] == Origin.SAMPLED and ids[ranges[0][1] - 1] in specials
+    text = {o: "".join(p for p, oo in zip(pieces, origins, strict=True) if oo == o) for o in Origin}
+    assert "Cancel order #W1 ünïcödé 🎲" in text[Origin.ENVIRONMENT]
+    assert '{"status": "cancelled"}' in text[Origin.ENVIRONMENT]
+    assert "<|im_start|>user\n" in text[Origin.TEMPLATE] and "<|im_start|>tool\n" in text[Origin.TEMPLATE]
+    assert "<|im_start|>assistant\n" in text[Origin.TEMPLATE]
+    assert "You are a helpful AI assistant" in text[Origin.TEMPLATE]  # the template's default system prompt
+    assert text[Origin.ENVIRONMENT] == 'Cancel order #W1 ünïcödé 🎲{"status": "cancelled"}'  # separators: template
+    # without the template's texts, the default system prompt counts as the environment's (all but its header)
+    plain = token_origins(pieces, ids, mask, specials)
+    assert "You are a helpful AI assistant" in "".join(p for p, o in zip(pieces, plain, strict=True)
+                                                       if o == Origin.ENVIRONMENT)
+
+
+def test_tool_call_folds_cover_the_block(tok: ChatTokenizer) -> None:
+    ids, _, ranges = _conversation(tok)
+    pieces = token_pieces(tok, ids, special_ids(tok))
+    folds = tool_call_folds(pieces, ranges)
+    assert len(folds) == 1
+    fold = folds[0]
+    assert fold.turn_index == 0 and fold.label == 'cancel_order("order_id":"#W1")'
+    text = "".join(pieces[fold.start:fold.end])
+    # the first token holds the block's opening (a BPE token may carry text before it), the last its closing
+    assert text.index("<tool_call>") < len(pieces[fold.start]) and text.endswith("</tool_call>")
+    assert ranges[0][0] < fold.start and fold.end < ranges[0][1]
+
+
+def test_tool_call_folds_label_a_broken_block() -> None:
+    pieces = ["a", "<tool", "_call>", "{oops", "</tool_call>", "b", "<tool_call>", "[1]"]
+    folds = tool_call_folds(pieces, [[0, 6], [6, 8]])
+    assert [(f.start, f.end, f.turn_index, f.label) for f in folds] == [(1, 5, 0, "tool_call"),
+                                                                        (6, 8, 1, "tool_call")]
+
+
+def test_first_divergence() -> None:
+    assert first_divergence([]) == 0
+    assert first_divergence([[1, 2, 3]]) == 3
+    assert first_divergence([[1, 2, 3], [1, 2, 4], [1, 2, 3]]) == 2
+    assert first_divergence([[1, 2], [1, 2, 3]]) == 2
+    assert first_divergence([[5], [6]]) == 0
+
+
+def test_histogram_bins_and_version_labels() -> None:
+    edges = bin_edges([0.0, 1.0, 0.5])
+    assert len(edges) == 11 and edges[0] == 0.0 and edges[-1] == 1.0
+    assert [bin_of(edges, x) for x in (0.0, 0.05, 0.5, 0.99, 1.0)] == [0, 0, 5, 9, 9]
+    assert bin_edges([2.0, 2.0]) == pytest.approx([1.5 + 0.1 * i for i in range(11)])
+    assert bin_edges([]) == [0.0, 1.0]
+    assert version_label(None) == "none" and version_label([3]) == "v3" and version_label([3, 2, 3]) == "v2-3"
