@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -123,21 +124,61 @@ def _plain(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://")
 
 
-@pytest.fixture
-def database_url(servers: Servers) -> Iterator[str]:
-    """A fresh, migrated database of its own for each test, dropped afterwards."""
+def _admin_dsn(servers: Servers) -> str:
+    from sqlalchemy.engine import make_url
+
+    return _plain(str(make_url(servers.database_url).set(database="postgres").render_as_string(False)))
+
+
+@pytest.fixture(scope="session")
+def migrated_template(servers: Servers) -> Iterator[str]:
+    """A database migrated to head once per session: each test's database is a copy of it.
+
+    ``CREATE DATABASE ... TEMPLATE`` copies every object, row and object grant, but not the database's own
+    privileges (``pg_database.datacl``: migration 0012 revokes TEMP and CREATE from PUBLIC and grants CONNECT to
+    the service roles); ``database_url`` grants those again from the template's. Copying takes ~0.1 s where
+    migrating from scratch takes ~0.4 s on a quiet machine (one per test that touches Postgres)."""
     from sqlalchemy.engine import make_url
 
     from rollout_ledger.migrations.runner import upgrade
 
+    name = f"rl_tpl_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(_admin_dsn(servers), autocommit=True) as c:
+        c.execute(f'create database "{name}"')
+    upgrade(make_url(servers.database_url).set(database=name).render_as_string(hide_password=False))
+    yield name
+    with psycopg.connect(_admin_dsn(servers), autocommit=True) as c:
+        c.execute(f'drop database if exists "{name}" with (force)')
+
+
+def _copy_database_privileges(conn: psycopg.Connection[Any], source: str, target: str) -> None:
+    """Give ``target`` exactly ``source``'s database-level privileges (a template copy starts with the defaults)."""
+    rows = conn.execute(
+        "select coalesce(r.rolname, 'PUBLIC'), a.privilege_type from pg_database d "
+        "cross join lateral aclexplode(d.datacl) a left join pg_roles r on r.oid = a.grantee "
+        "where d.datname = %s and a.grantee <> d.datdba", (source,)).fetchall()
+    if not rows and conn.execute("select datacl is null from pg_database where datname = %s",
+                                 (source,)).fetchone() == (True,):
+        return  # the defaults: what the copy has already
+    conn.execute(f'revoke all on database "{target}" from public')
+    for grantee, privilege in rows:
+        who = "public" if grantee == "PUBLIC" else f'"{grantee}"'
+        conn.execute(f'grant {privilege} on database "{target}" to {who}')
+
+
+@pytest.fixture
+def database_url(servers: Servers, migrated_template: str) -> Iterator[str]:
+    """A fresh, migrated database of its own for each test (a copy of the session's migrated template), dropped
+    afterwards."""
+    from sqlalchemy.engine import make_url
+
     admin = make_url(servers.database_url)
     name = f"rl_test_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(_plain(str(admin.set(database="postgres").render_as_string(False))), autocommit=True) as c:
-        c.execute(f'create database "{name}"')
-    url = admin.set(database=name).render_as_string(hide_password=False)
-    upgrade(url)
-    yield url
-    with psycopg.connect(_plain(str(admin.set(database="postgres").render_as_string(False))), autocommit=True) as c:
+    with psycopg.connect(_admin_dsn(servers), autocommit=True) as c:
+        c.execute(f'create database "{name}" template "{migrated_template}"')
+        _copy_database_privileges(c, migrated_template, name)
+    yield admin.set(database=name).render_as_string(hide_password=False)
+    with psycopg.connect(_admin_dsn(servers), autocommit=True) as c:
         c.execute(f'drop database if exists "{name}" with (force)')
 
 
@@ -237,3 +278,4 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     rep = outcome.get_result()  # type: ignore[attr-defined]
     setattr(item, f"rep_{rep.when}", rep)
+

@@ -1,13 +1,15 @@
-"""Fixtures of the integration tests that drive an env worker: the chat tokenizer and the in-test policy."""
+"""Fixtures of the integration tests: the chat tokenizer and the in-test policy (tests that drive an env worker),
+and synchronous SQL on the test's database."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
+from tests.helpers import Sql
 from tests.integration.policy import Policy
 
 
@@ -23,3 +25,11 @@ async def policy(nc: bus.NATS, tok: ChatTokenizer) -> AsyncIterator[Policy]:
     yield p
     p.release.set()
     await p.stop()
+
+
+@pytest.fixture
+def sql(database_url: str) -> Iterator[Sql]:
+    """Synchronous SQL on the test's database (closed after the test)."""
+    s = Sql(database_url)
+    yield s
+    s.close()

@@ -6,13 +6,11 @@ turn, several segments, and a failed episode's partial trajectory."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import psycopg
 import pyarrow.parquet as pq
-import pytest
 from pydantic import BaseModel
 
 from rollout_ledger.services.exporter.export import export
@@ -32,13 +30,6 @@ from tests.integration.test_recorder import (
     settings_for,
     until,
 )
-
-
-@pytest.fixture
-def sql(database_url: str) -> Iterator[Sql]:
-    s = Sql(database_url)
-    yield s
-    s.close()
 
 
 def _versions(events: list[BaseModel], versions: list[int]) -> list[BaseModel]:

@@ -38,13 +38,6 @@ from tests.integration.test_scheduler_api import Api, body, make_settings, regis
 
 
 @pytest.fixture
-def sql(database_url: str) -> Iterator[Sql]:
-    s = Sql(database_url)
-    yield s
-    s.close()
-
-
-@pytest.fixture
 async def api(nats_url: str, database_url: str, nc: bus.NATS) -> AsyncIterator[Api]:
     async with running(make_settings(nats_url, database_url, admission_interval_s=0.2), nc) as a:
         await register_env(a.js, "echo")

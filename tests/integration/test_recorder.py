@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,12 +172,6 @@ async def drained(nc: bus.NATS) -> bool:
     info = await nc.jetstream().consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
     return info.num_pending == 0 and info.num_ack_pending == 0
 
-
-@pytest.fixture
-def sql(database_url: str) -> Iterator[Sql]:
-    s = Sql(database_url)
-    yield s
-    s.close()
 
 
 # --- tests ---------------------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ dead-letter stream become rows; and Postgres itself refuses orphan rows and non-
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -39,13 +38,6 @@ from tests.integration.test_recorder import (
     snapshot,
     until,
 )
-
-
-@pytest.fixture
-def sql(database_url: str) -> Iterator[Sql]:
-    s = Sql(database_url)
-    yield s
-    s.close()
 
 
 def letters(sql: Sql) -> list[dict[str, Any]]:

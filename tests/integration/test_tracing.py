@@ -13,25 +13,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-import httpx
-
 from rollout_ledger.cli.stack.otlp_sink import OtlpSink, SpanRecord
 from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
-from tests.helpers import AUTH, Sql, wait_for
+from tests.helpers import Sql, wait_for
+from tests.integration.test_pipeline import submit_and_wait
 
 SERVICES = {"scheduler", "env-worker", "inference-worker", "recorder"}
-
-
-def _submit_and_wait(url: str, timeout_s: float = 90, **body: object) -> dict[str, object]:
-    resp = httpx.post(f"{url}/v1/batches", headers=AUTH, json=body, timeout=30)
-    assert resp.status_code == 201, resp.text
-    batch_id = resp.json()["batch_id"]
-
-    def done() -> dict[str, object] | None:
-        info = httpx.get(f"{url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()
-        return info if info["done"] else None
-
-    return wait_for(done, timeout_s, f"batch {batch_id} to finish")
 
 
 def _of_episode(sink: OtlpSink, episode_id: str) -> list[SpanRecord]:
@@ -91,8 +78,8 @@ def test_one_episode_one_trace_across_the_four_services(stack: Stack, database_u
         stack.start("recorder", **env)
         scheduler = stack.start("scheduler", **env)
 
-        info = _submit_and_wait(scheduler.url, env="fixed-turns", tasks=[{"turns": 3}, {"turns": 2}], group_size=2,
-                                max_turns=4, sampling={"max_tokens": 8})
+        info = submit_and_wait(scheduler.url, timeout_s=90, env="fixed-turns", tasks=[{"turns": 3}, {"turns": 2}],
+                               group_size=2, max_turns=4, sampling={"max_tokens": 8})
         counts = info["counts"]
         assert isinstance(counts, dict) and counts.get("completed") == 4
         batch_id = str(info["batch_id"])
@@ -126,8 +113,8 @@ def test_one_episode_one_trace_across_the_four_services(stack: Stack, database_u
             assert end_lines[episode_id]["trace_id"] == trace_id  # the worker's log line names the trace
 
         # a retried attempt (its deadline passed; retryable, one more allowed) continues the episode's trace
-        info = _submit_and_wait(scheduler.url, env="fixed-turns", tasks=[{"turns": 2, "step_delay_s": 30}],
-                                group_size=1, max_turns=2, sampling={"max_tokens": 8})
+        info = submit_and_wait(scheduler.url, timeout_s=90, env="fixed-turns", tasks=[{"turns": 2, "step_delay_s": 30}],
+                               group_size=1, max_turns=2, sampling={"max_tokens": 8})
         retried = f"{info['batch_id']}.0.0"
 
         def two_attempts() -> list[SpanRecord] | None:
@@ -146,8 +133,8 @@ def test_one_episode_one_trace_across_the_four_services(stack: Stack, database_u
         # trace starts at the env worker
         scheduler.stop()
         old = stack.start("scheduler", name="scheduler-untraced", ROLLOUT_TRACING_ENDPOINT="")
-        info = _submit_and_wait(old.url, env="fixed-turns", tasks=[{"turns": 2}], group_size=2, max_turns=2,
-                                sampling={"max_tokens": 8})
+        info = submit_and_wait(old.url, timeout_s=90, env="fixed-turns", tasks=[{"turns": 2}], group_size=2,
+                               max_turns=2, sampling={"max_tokens": 8})
         counts = info["counts"]
         assert isinstance(counts, dict) and counts.get("completed") == 2
         for group in range(2):
