@@ -45,15 +45,15 @@ demo-rl: install model  ## the closed loop: the stack on vLLM and a GRPO trainer
 up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless NATS_URL/DATABASE_URL are set)
 	$(BIN)/rollout up
 
-# Two pytest processes side by side: the real engine's tests and the containers (CPU-bound: vLLM, image builds) in
-# one, everything else (mostly waiting on NATS, Postgres and service processes) in the other; each starts its own
-# NATS and Postgres. The first one's output is printed after the second's.
-SLOW_SUITES := tests/e2e tests/containers
+# Two pytest processes side by side: the tests that take minutes each (the real engine's, the containers', the
+# kill -9 and chaos runs) in one, everything else (mostly waiting on NATS, Postgres and service processes) in the
+# other; each starts its own NATS and Postgres. The first one's output is printed after the second's.
+SLOW_SUITES := tests/e2e tests/containers tests/integration/test_crash.py tests/integration/test_chaos.py
 REST_SUITES := tests/unit tests/contract tests/deploy tests/integration
 test: install model openenv  ## unit, contract, deploy, containers, integration (real NATS + Postgres) and e2e tests
 	@mkdir -p .build
 	@$(BIN)/pytest -q --durations=15 $(SLOW_SUITES) > .build/test-engine-and-containers.log 2>&1 & slow=$$!; \
-	$(BIN)/pytest -q --durations=30 $(REST_SUITES); rest=$$?; \
+	$(BIN)/pytest -q --durations=30 $(REST_SUITES) $(addprefix --ignore=,$(filter %.py,$(SLOW_SUITES))); rest=$$?; \
 	wait $$slow; engine=$$?; \
 	echo "===== $(SLOW_SUITES) (run beside the rest; log: .build/test-engine-and-containers.log) ====="; \
 	cat .build/test-engine-and-containers.log; \

@@ -27,7 +27,8 @@ def _of_episode(sink: OtlpSink, episode_id: str) -> list[SpanRecord]:
 
 def _trace_of(sink: OtlpSink, episode_id: str, services: set[str], recorded_events: int) -> list[SpanRecord]:
     """The episode's trace once the spans of ``services`` and recorder writes of ``recorded_events`` events have
-    arrived (the services export every 100 ms)."""
+    arrived, and every span's parent with them (the services export every 100 ms, each on its own clock: a turn's
+    span can arrive before the attempt's, which ends later)."""
 
     def complete() -> list[SpanRecord] | None:
         ids = {s.trace_id for s in _of_episode(sink, episode_id)}
@@ -35,7 +36,9 @@ def _trace_of(sink: OtlpSink, episode_id: str, services: set[str], recorded_even
             return None
         spans = sink.traces()[ids.pop()]
         written = sum(int(s.attributes.get("rollout.ack", 0)) for s in spans if s.name == "recorder.write")
-        return spans if {s.service for s in spans} >= services and written >= recorded_events else None
+        present = {s.span_id for s in spans}
+        closed = all(not s.parent_span_id or s.parent_span_id in present for s in spans)
+        return spans if closed and {s.service for s in spans} >= services and written >= recorded_events else None
 
     return wait_for(complete, 30, f"the trace of {episode_id} from {sorted(services)}")
 
