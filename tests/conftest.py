@@ -182,26 +182,42 @@ def database_url(servers: Servers, migrated_template: str) -> Iterator[str]:
         c.execute(f'drop database if exists "{name}" with (force)')
 
 
+async def _leftovers(js: bus.JetStreamContext) -> list[str]:
+    """The project's streams and buckets that still hold messages (a reset must leave none)."""
+    names = [spec.name for spec in STREAMS] + [f"KV_{bucket}" for bucket in BUCKETS]
+    out = []
+    for name in names:
+        info = await js.stream_info(name)
+        if info.state.messages:
+            out.append(f"{name} ({info.state.messages} messages)")
+    return out
+
+
 async def _reset_bus(url: str) -> None:
     nc = await bus.connect(url, name="tests-reset", initial_wait_s=10)
     try:
         js = nc.jetstream()
-        for spec in STREAMS:
-            with contextlib.suppress(Exception):
-                await js.delete_stream(spec.name)
-        for bucket in BUCKETS:
-            with contextlib.suppress(Exception):
-                await js.delete_key_value(bucket)
-        # The server removes a deleted stream's files asynchronously; creating the same name at once can fail
-        # with "error creating store for stream" (err_code 10049) until it has. Retry that one error briefly.
-        for attempt in range(50):
-            try:
-                await bus.ensure_topology(js)
-                break
-            except ServerError as exc:
-                if exc.err_code != 10049 or attempt == 49:
-                    raise
-                await asyncio.sleep(0.1)
+        for _ in range(3):  # a delete that timed out on a busy server leaves the old stream (and its data) behind
+            for spec in STREAMS:
+                with contextlib.suppress(Exception):
+                    await js.delete_stream(spec.name)
+            for bucket in BUCKETS:
+                with contextlib.suppress(Exception):
+                    await js.delete_key_value(bucket)
+            # The server removes a deleted stream's files asynchronously; creating the same name at once can fail
+            # with "error creating store for stream" (err_code 10049) until it has. Retry that one error briefly.
+            for attempt in range(50):
+                try:
+                    await bus.ensure_topology(js)
+                    break
+                except ServerError as exc:
+                    if exc.err_code != 10049 or attempt == 49:
+                        raise
+                    await asyncio.sleep(0.1)
+            left = await _leftovers(js)
+            if not left:
+                return
+        raise RuntimeError(f"NATS reset left data behind in {', '.join(left)}")
     finally:
         await nc.close()
 
