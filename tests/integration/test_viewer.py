@@ -243,21 +243,13 @@ def _check_pages(page: Any, url: str, sql: Sql, tok: ChatTokenizer, batches: dic
     assert "sampled · mask 1 · logprob" in page.locator("#status-bar").inner_text()
     page.screenshot(path=str(shots / "trajectory-logprob.png"))
 
-    window_episode = sql.scalar("select episode_id from trajectories where batch_id = :b order by episode_id "
-                                "limit 1", b=batches["window"])
-    page.goto(f"{url}/viewer/#/episode/{window_episode}")
-    _ready(page)
-    _check_trajectory(page, sql, window_episode)
+    window_episode = _open_first_trajectory(page, url, sql, batches["window"])
     segs = sql.scalar("select num_segments from trajectories where episode_id = :e", e=window_episode)
     assert page.locator("#tokens .mark.seg").count() == segs - 1
     assert "drift: " in page.locator("#tokens .mark.seg").first.inner_text()
     page.screenshot(path=str(shots / "trajectory-segments.png"))
 
-    tools_episode = sql.scalar("select episode_id from trajectories where batch_id = :b order by episode_id "
-                               "limit 1", b=batches["tools"])
-    page.goto(f"{url}/viewer/#/episode/{tools_episode}")
-    _ready(page)
-    _check_trajectory(page, sql, tools_episode)
+    tools_episode = _open_first_trajectory(page, url, sql, batches["tools"])
     folds = page.locator("#tokens .fold")
     assert folds.count() == sql.scalar("select num_turns from trajectories where episode_id = :e", e=tools_episode)
     assert folds.first.locator(".inner").is_hidden()
@@ -281,6 +273,16 @@ def _check_pages(page: Any, url: str, sql: Sql, tok: ChatTokenizer, batches: dic
     assert page.locator("#tokens .mark.vchg").inner_text() == "v0→v1"  # the weights changed at turn 50
     assert page.locator("#tokens .t").count() < LONG_TOKENS // 4
     page.screenshot(path=str(shots / "trajectory-long.png"))
+
+
+def _open_first_trajectory(page: Any, url: str, sql: Sql, batch_id: str) -> str:
+    """Open the batch's first trajectory in the viewer and check it against its row; its episode id."""
+    episode_id = str(sql.scalar("select episode_id from trajectories where batch_id = :b order by episode_id "
+                                "limit 1", b=batch_id))
+    page.goto(f"{url}/viewer/#/episode/{episode_id}")
+    _ready(page)
+    _check_trajectory(page, sql, episode_id)
+    return episode_id
 
 
 def _check_trajectory(page: Any, sql: Sql, episode_id: str) -> None:
