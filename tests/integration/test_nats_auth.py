@@ -138,9 +138,11 @@ async def test_env_worker_cannot_cancel_announce_or_forge_advisories(secured: Pr
         await worker.publish(WORK_MAX_DELIVERIES_ADVISORY, b'{"stream": "RL_EVENTS", "stream_seq": 1}')
         assert await _refused(worker, f'publish to "{WORK_MAX_DELIVERIES_ADVISORY}"')
         assert await _messages(admin, ADVISORY_STREAM) == before
-        # the control: the same publish from a user without the deny is stored (so the check above can fail)
-        await admin.publish(WORK_MAX_DELIVERIES_ADVISORY, b"{}")
-        await admin.flush()
+        # the control: the same publish from a user without the deny is stored (so the check above can fail).
+        # It waits for the stream's ack: a flush only proves the server read the message, and a stream stores
+        # what it captures after that, so counting right after a flush raced the store (CI saw 0 once).
+        ack = await admin.jetstream().publish(WORK_MAX_DELIVERIES_ADVISORY, b"{}", timeout=5)
+        assert ack.stream == ADVISORY_STREAM
         assert await _messages(admin, ADVISORY_STREAM) == before + 1
         # nor may it remove the durable log or a message of it
         await admin.jetstream().publish(event_subject("episode.started"), b"{}")
