@@ -92,6 +92,7 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.agent_gateway
 	$(BIN)/python -m bench.tracing_cost
 	$(BIN)/python -m bench.viewer_render
+	$(BIN)/python -m bench.viewer_summary
 
 chaos: install model  ## fault run: 2,000 episodes, kill -9 of every service twice, NATS restart, Postgres down 30 s
 	$(BIN)/python -m bench.chaos

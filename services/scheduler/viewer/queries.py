@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rollout_ledger.shared.db import (
@@ -138,51 +138,75 @@ class BatchSummary:
     statuses: dict[str, int] = field(default_factory=dict)
 
 
-def bin_edges(rewards: Sequence[float], bins: int = HISTOGRAM_BINS) -> list[float]:
-    """``bins + 1`` edges over the rewards' range (a one-value range is widened by 0.5 each side)."""
-    if not rewards:
-        return [0.0, 1.0]
-    low, high = min(rewards), max(rewards)
+def range_edges(low: float, high: float, bins: int = HISTOGRAM_BINS) -> list[float]:
+    """``bins + 1`` edges from ``low`` to ``high`` (a one-value range is widened by 0.5 each side)."""
     if math.isclose(low, high):
         low, high = low - 0.5, high + 0.5
     step = (high - low) / bins
     return [low + i * step for i in range(bins)] + [high]
 
 
+def bin_edges(rewards: Sequence[float], bins: int = HISTOGRAM_BINS) -> list[float]:
+    """The edges over the rewards' range; ``[0, 1]`` for none."""
+    return range_edges(min(rewards), max(rewards), bins) if rewards else [0.0, 1.0]
+
+
 def bin_of(edges: Sequence[float], value: float) -> int:
-    """The bin of ``value``; the last bin is closed on the right."""
+    """The bin of ``value``; the last bin is closed on the right. ``_SUMMARY_GROUPS`` computes the same in SQL,
+    with the same float8 operations in the same order, so both put a value on an edge in the same bin."""
     bins = len(edges) - 1
     index = int((value - edges[0]) / (edges[-1] - edges[0]) * bins)
     return max(0, min(bins - 1, index))
 
 
+_REWARD_RANGE = text("SELECT min(reward), max(reward) FROM episodes WHERE batch_id = :batch_id")
+
+_SUMMARY_GROUPS = text("""
+SELECT env, status, failure_class, weight_versions,
+       CASE WHEN reward IS NOT NULL THEN
+           least(greatest(floor((reward - :low) / (:high - :low) * :bins), 0), :bins - 1)::int
+       END AS bin,
+       count(*) AS n, sum(reward) AS total
+FROM episodes WHERE batch_id = :batch_id
+GROUP BY env, status, failure_class, weight_versions, bin
+""")
+"""A batch's episodes counted by everything the summary shows: one pass over the batch's rows in Postgres, a
+few hundred groups back (envs x statuses x failure classes x version sets x bins), however large the batch."""
+
+
 async def batch_summary(conn: AsyncConnection, batch_id: str) -> BatchSummary:
-    rows = (await conn.execute(
-        select(episodes.c.env, episodes.c.status, episodes.c.reward, episodes.c.weight_versions,
-               episodes.c.failure_class).where(episodes.c.batch_id == batch_id))).all()
-    rewarded = [(env, float(reward), version_label(versions)) for env, _, reward, versions, _ in rows
-                if reward is not None]
-    edges = bin_edges([r for _, r, _ in rewarded])
-    grouped: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for env, reward, label in rewarded:
-        grouped[(env, label)].append(reward)
-    histograms = []
-    for (env, label), values in sorted(grouped.items()):
-        counts = [0] * (len(edges) - 1)
-        for v in values:
-            counts[bin_of(edges, v)] += 1
-        histograms.append(Histogram(env, label, counts, len(values), sum(values) / len(values)))
-    failures = Counter(fc or "unknown" for _, status, _, _, fc in rows if status == "failed")
+    """Reward histograms per env and version span in batch-wide bins, failures, statuses and filter choices,
+    counted in Postgres (``_SUMMARY_GROUPS``)."""
+    low, high = (await conn.execute(_REWARD_RANGE, {"batch_id": batch_id})).one()
+    edges = range_edges(float(low), float(high)) if low is not None else [0.0, 1.0]
+    params = {"batch_id": batch_id, "low": edges[0], "high": edges[-1], "bins": len(edges) - 1}
+    counts: dict[tuple[str, str], list[int]] = {}
+    totals: dict[tuple[str, str], float] = defaultdict(float)
+    failures: Counter[str] = Counter()
+    statuses: Counter[str] = Counter()
+    envs: set[str] = set()
+    versions: set[int] = set()
+    for env, status, failure_class, weight_versions, bin_, n, total in await conn.execute(_SUMMARY_GROUPS, params):
+        envs.add(env)
+        statuses[status] += n
+        versions.update(weight_versions or ())
+        if status == "failed":
+            failures[failure_class or "unknown"] += n
+        if bin_ is not None:
+            key = (env, version_label(weight_versions))
+            counts.setdefault(key, [0] * (len(edges) - 1))[bin_] += n
+            totals[key] += float(total)
+    histograms = [Histogram(env, label, c, sum(c), totals[(env, label)] / sum(c))
+                  for (env, label), c in sorted(counts.items())]
     attempts: dict[str, dict[str, int]] = defaultdict(lambda: {"retried": 0, "final": 0})
     for fc, retried, count in await conn.execute(
             select(attempt_failures.c.failure_class, attempt_failures.c.retried, func.count())
             .where(attempt_failures.c.batch_id == batch_id)
             .group_by(attempt_failures.c.failure_class, attempt_failures.c.retried)):
         attempts[fc]["retried" if retried else "final"] += int(count)
-    versions = sorted({int(v) for *_, vs, _ in rows for v in (vs or ())})
     return BatchSummary(edges=edges, histograms=histograms, failures=dict(failures),
-                        attempt_failures=dict(attempts), envs=sorted({r[0] for r in rows}), versions=versions,
-                        statuses=dict(Counter(r[1] for r in rows)))
+                        attempt_failures=dict(attempts), envs=sorted(envs), versions=sorted(versions),
+                        statuses=dict(statuses))
 
 
 async def group_siblings(conn: AsyncConnection, batch_id: str, task_index: int) -> list[dict[str, Any]]:
