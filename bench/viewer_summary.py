@@ -25,14 +25,14 @@ from collections import Counter, defaultdict
 from typing import Any
 
 import psycopg
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rollout_ledger.cli.stack.servers import LocalInfra
 from rollout_ledger.migrations.runner import upgrade
 from rollout_ledger.services.exporter.source import libpq_url
 from rollout_ledger.services.scheduler.viewer import queries
-from rollout_ledger.shared.db import attempt_failures, create_engine, episodes
+from rollout_ledger.shared.db import create_engine, episodes
 from rollout_ledger.shared.kit.settings import normalize_database_url
 
 FILL = """
@@ -79,15 +79,10 @@ async def _baseline_summary(conn: AsyncConnection, batch_id: str) -> tuple[queri
             counts[queries.bin_of(edges, v)] += 1
         histograms.append(queries.Histogram(env, label, counts, len(values), sum(values) / len(values)))
     failures = Counter(fc or "unknown" for _, status, _, _, fc in rows if status == "failed")
-    attempts: dict[str, dict[str, int]] = defaultdict(lambda: {"retried": 0, "final": 0})
-    for fc, retried, count in await conn.execute(
-            select(attempt_failures.c.failure_class, attempt_failures.c.retried, func.count())
-            .where(attempt_failures.c.batch_id == batch_id)
-            .group_by(attempt_failures.c.failure_class, attempt_failures.c.retried)):
-        attempts[fc]["retried" if retried else "final"] += int(count)
     versions = sorted({int(v) for *_, vs, _ in rows for v in (vs or ())})
     return queries.BatchSummary(edges=edges, histograms=histograms, failures=dict(failures),
-                                attempt_failures=dict(attempts), envs=sorted({r[0] for r in rows}),
+                                attempt_failures=await queries.attempt_failures_by_class(conn, batch_id),
+                                envs=sorted({r[0] for r in rows}),
                                 versions=versions, statuses=dict(Counter(r[1] for r in rows))), len(rows)
 
 

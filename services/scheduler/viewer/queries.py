@@ -174,6 +174,17 @@ GROUP BY env, status, failure_class, weight_versions, bin
 few hundred groups back (envs x statuses x failure classes x version sets x bins), however large the batch."""
 
 
+async def attempt_failures_by_class(conn: AsyncConnection, batch_id: str) -> dict[str, dict[str, int]]:
+    """Every failed attempt of the batch by class: ``{"env": {"retried": n, "final": m}}``."""
+    attempts: dict[str, dict[str, int]] = defaultdict(lambda: {"retried": 0, "final": 0})
+    for fc, retried, count in await conn.execute(
+            select(attempt_failures.c.failure_class, attempt_failures.c.retried, func.count())
+            .where(attempt_failures.c.batch_id == batch_id)
+            .group_by(attempt_failures.c.failure_class, attempt_failures.c.retried)):
+        attempts[fc]["retried" if retried else "final"] += int(count)
+    return dict(attempts)
+
+
 async def batch_summary(conn: AsyncConnection, batch_id: str) -> BatchSummary:
     """Reward histograms per env and version span in batch-wide bins, failures, statuses and filter choices,
     counted in Postgres (``_SUMMARY_GROUPS``)."""
@@ -198,14 +209,9 @@ async def batch_summary(conn: AsyncConnection, batch_id: str) -> BatchSummary:
             totals[key] += float(total)
     histograms = [Histogram(env, label, c, sum(c), totals[(env, label)] / sum(c))
                   for (env, label), c in sorted(counts.items())]
-    attempts: dict[str, dict[str, int]] = defaultdict(lambda: {"retried": 0, "final": 0})
-    for fc, retried, count in await conn.execute(
-            select(attempt_failures.c.failure_class, attempt_failures.c.retried, func.count())
-            .where(attempt_failures.c.batch_id == batch_id)
-            .group_by(attempt_failures.c.failure_class, attempt_failures.c.retried)):
-        attempts[fc]["retried" if retried else "final"] += int(count)
     return BatchSummary(edges=edges, histograms=histograms, failures=dict(failures),
-                        attempt_failures=dict(attempts), envs=sorted(envs), versions=sorted(versions),
+                        attempt_failures=await attempt_failures_by_class(conn, batch_id), envs=sorted(envs),
+                        versions=sorted(versions),
                         statuses=dict(statuses))
 
 
