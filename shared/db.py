@@ -239,7 +239,7 @@ dead_letters = Table(
 )
 
 
-SCHEMA_REVISION = "0013"
+SCHEMA_REVISION = "0014"
 """The Alembic revision these tables describe and this code expects: the newest file in migrations/versions
 (tests/unit/test_schema_revision.py fails when a migration is added without moving it)."""
 
@@ -371,6 +371,8 @@ logprob_audits = Table(
     Column("p99_abs_delta", Float, nullable=False),
     Column("max_abs_delta", Float, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("token_logprobs", REAL_ARRAY,
+           comment="recomputed logprob of each sampled (loss-mask 1) token, in order; NaN: not recomputed"),
     Index("ux_logprob_audits_key", "episode_id", "attempt", "source", "checkpoint", unique=True),
     Index("ix_logprob_audits_batch", "batch_id"),
 )

@@ -491,7 +491,7 @@ class Trainer:
             mean, p99, worst = stats(mine, t.inference_logprobs)
             rows.append(AuditRow(t.episode_id, t.attempt, t.batch_id, "trainer", self.checkpoint,
                                  engines.get(t.episode_id, ""), self.version, self.version, int(t.positions.size),
-                                 mean, p99, worst))
+                                 mean, p99, worst, mine.astype(np.float32).tolist()))
         write_rows(self.cfg.database_url, rows)
         return rows, np.concatenate(deltas)
 

@@ -5,7 +5,8 @@ truncated importance sampling corrects for; trl#4772, verl#2953).
 ``rollout audit --batch B`` takes a seeded sample of the batch's trajectories, recomputes every sampled token's
 logprob with transformers on the CPU in float32 (each segment as its own context, as it was sampled), and writes
 one row per trajectory to ``logprob_audits``: mean / p99 / max |recomputed - stored| over its loss-mask-1 tokens,
-with the engine and the weight versions that sampled it. The trainer example writes rows the same way
+with the engine and the weight versions that sampled it, and every recomputed logprob (``token_logprobs``, in the
+order of the sampled tokens: the viewer colours each token by its gap). The trainer example writes rows the same way
 (``source = 'trainer'``). Only trajectories whose tokens all come from one version are audited against one
 checkpoint (``--version``): mixed ones are skipped and counted.
 """
@@ -41,6 +42,9 @@ class AuditRow:
     mean_abs_delta: float
     p99_abs_delta: float
     max_abs_delta: float
+    token_logprobs: list[float] | None = None
+    """The recomputed logprob of each sampled (loss-mask 1) token, in order (NaN: not recomputed); None: the
+    aggregates only."""
 
 
 @dataclass
@@ -101,13 +105,15 @@ LIMIT %(n)s
 
 _WRITE = """
 INSERT INTO logprob_audits (episode_id, attempt, batch_id, source, checkpoint, engine, min_version, max_version,
-                            num_tokens, mean_abs_delta, p99_abs_delta, max_abs_delta)
+                            num_tokens, mean_abs_delta, p99_abs_delta, max_abs_delta, token_logprobs)
 VALUES (%(episode_id)s, %(attempt)s, %(batch_id)s, %(source)s, %(checkpoint)s, %(engine)s, %(min_version)s,
-        %(max_version)s, %(num_tokens)s, %(mean_abs_delta)s, %(p99_abs_delta)s, %(max_abs_delta)s)
+        %(max_version)s, %(num_tokens)s, %(mean_abs_delta)s, %(p99_abs_delta)s, %(max_abs_delta)s,
+        %(token_logprobs)s::real[])
 ON CONFLICT (episode_id, attempt, source, checkpoint) DO UPDATE SET
     engine = excluded.engine, min_version = excluded.min_version, max_version = excluded.max_version,
     num_tokens = excluded.num_tokens, mean_abs_delta = excluded.mean_abs_delta,
-    p99_abs_delta = excluded.p99_abs_delta, max_abs_delta = excluded.max_abs_delta, created_at = now()
+    p99_abs_delta = excluded.p99_abs_delta, max_abs_delta = excluded.max_abs_delta,
+    token_logprobs = excluded.token_logprobs, created_at = now()
 """
 
 
@@ -146,6 +152,6 @@ def audit_batch(database_url: str, batch_id: str, checkpoint: str, *, sample: in
         mean, p99, worst = stats(mine[keep], stored[keep])
         rows.append(AuditRow(episode_id, int(attempt), batch, source, checkpoint, engine or "",
                              versions[0] if versions else None, versions[-1] if versions else None,
-                             int(keep.sum()), mean, p99, worst))
+                             int(keep.sum()), mean, p99, worst, mine.astype(np.float32).tolist()))
     write_rows(database_url, rows)
     return AuditResult(rows, skipped)

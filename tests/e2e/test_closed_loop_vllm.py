@@ -98,6 +98,10 @@ def test_two_grpo_iterations_train_through_the_ledger(model_dir: str, monkeypatc
             seen["audits"] = conn.execute(
                 "SELECT batch_id, min_version, max_version, count(*), avg(mean_abs_delta), max(max_abs_delta) "
                 "FROM logprob_audits WHERE source = 'trainer' GROUP BY 1, 2, 3 ORDER BY 2").fetchall()
+            seen["audits_per_token"] = conn.execute(  # the rows that keep a logprob for every sampled token
+                "SELECT count(*) FROM logprob_audits a JOIN trajectories t ON t.episode_id = a.episode_id "
+                "AND t.attempt = a.attempt WHERE a.source = 'trainer' "
+                "AND cardinality(a.token_logprobs) = t.num_sampled_tokens").fetchone()[0]
         if len(results) == 2:
             # the second batch (sampled by version 1) against the weights of version 0
             # (sample: the whole batch, both iterations: the audit takes only version 1's 16)
@@ -137,6 +141,7 @@ def test_two_grpo_iterations_train_through_the_ledger(model_dir: str, monkeypatc
     for r in results:
         assert r["on_policy"] == r["trajectories"] == 16, r
     assert audits[(batch[0], 0, 0)][0] == audits[(batch[0], 1, 1)][0] == 16
+    assert seen["audits_per_token"] == 32  # each keeps its recomputed logprobs, one per sampled token
     # the trainer-vs-vLLM gap on version 1, which vLLM loaded live from the trainer's checkpoint
     on_v1 = results[1]
     assert on_v1["gap_mean"] < GAP_MEAN_BOUND, on_v1

@@ -56,8 +56,10 @@ def populate(url: str) -> None:
              "WHERE id = 's1'")  # a bounded batch: one trajectory spans versions 3-4, beyond k = 0
     run(url, "UPDATE episodes SET admitted_version = 3 WHERE batch_id = 's1'")
     run(url, "INSERT INTO logprob_audits (episode_id, attempt, batch_id, source, checkpoint, engine, min_version, "
-             "max_version, num_tokens, mean_abs_delta, p99_abs_delta, max_abs_delta) "
-             "VALUES ('s1.0.0', 1, 's1', 'audit', '/ckpt/4', 'vllm', 3, 3, 3, 1e-5, 3e-5, 4e-5)")
+             "max_version, num_tokens, mean_abs_delta, p99_abs_delta, max_abs_delta, token_logprobs) "
+             "SELECT episode_id, attempt, batch_id, 'audit', '/ckpt/4', 'vllm', 3, 3, num_sampled_tokens, 1e-5, 3e-5, "
+             "4e-5, ARRAY(SELECT t.logprobs[i] + 1e-5 * i FROM generate_subscripts(t.loss_mask, 1) AS i "
+             "WHERE t.loss_mask[i] = 1 ORDER BY i) FROM trajectories t WHERE episode_id = 's1.0.0'")
 
 
 @pytest.fixture

@@ -36,9 +36,9 @@ def test_audit_measures_the_gap_on_sampled_tokens_per_segment(database_url: str,
     mixed = Traj(segments=((4, ((3, 2), (2, 0))),), versions=(1, 2))
     (eids,) = seed_batch(database_url, "au", [[segmented, segmented, mixed]])
     exact = transformers_logprobs(model_dir, segmented, seed=0)
-    off = transformers_logprobs(model_dir, segmented, seed=1)
+    true_off = transformers_logprobs(model_dir, segmented, seed=1)
     mask = arrays(segmented, seed=1).loss_mask
-    off = np.where(mask == 1, off + 0.25, 0.0).astype(np.float32)
+    off = np.where(mask == 1, true_off + 0.25, 0.0).astype(np.float32)
     with psycopg.connect(libpq_url(database_url)) as conn:
         for eid, lps in ((eids[0], exact), (eids[1], off)):
             conn.execute("UPDATE trajectories SET logprobs = %s WHERE episode_id = %s", (lps.tolist(), eid))
@@ -56,5 +56,16 @@ def test_audit_measures_the_gap_on_sampled_tokens_per_segment(database_url: str,
     with psycopg.connect(libpq_url(database_url)) as conn:
         stored = conn.execute("SELECT episode_id, source, num_tokens FROM logprob_audits ORDER BY 1").fetchall()
     assert stored == [(eids[0], "audit", 5), (eids[1], "audit", 5)], "one row per trajectory, source and checkpoint"
+    # every recomputed logprob is kept, in the order of the sampled tokens, and the aggregates are made of them
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        kept = dict(conn.execute("SELECT episode_id, token_logprobs FROM logprob_audits").fetchall())
+    for eid, seed, reference, stored_lps, row in ((eids[0], 0, exact, exact, exact_row),
+                                                  (eids[1], 1, true_off, off, off_row)):
+        positions = np.flatnonzero(arrays(segmented, seed=seed).loss_mask == 1)
+        tokens = np.asarray(kept[eid], dtype=np.float64)
+        assert tokens.shape == (5,) and np.allclose(tokens, reference[positions], atol=1e-4), eid
+        assert row.token_logprobs is not None and np.allclose(row.token_logprobs, tokens)
+        gaps = np.abs(tokens - stored_lps[positions])
+        assert abs(gaps.mean() - row.mean_abs_delta) < 1e-5 and abs(gaps.max() - row.max_abs_delta) < 1e-5
     only_v2 = audit_batch(database_url, "au", model_dir, sample=10, version=2, model=model)
     assert only_v2.rows == [] and only_v2.skipped_mixed == 3

@@ -85,14 +85,7 @@ def test_viewer_api_and_pages_match_the_ledger(stack: Stack, database_url: str, 
         long_episode = insert_long_trajectory(database_url, tok, LONG_TOKENS)
         arith_episode = sql.scalar("select episode_id from trajectories where batch_id = 'view-arith' "
                                    "order by episode_id limit 1")
-        with sql.engine.begin() as conn:
-            from sqlalchemy import text
-
-            conn.execute(text(
-                "insert into logprob_audits (episode_id, attempt, batch_id, source, checkpoint, engine, min_version, "
-                "max_version, num_tokens, mean_abs_delta, p99_abs_delta, max_abs_delta) select episode_id, attempt, "
-                "batch_id, 'audit', 'ckpt-v0', 'fake', 0, 0, num_sampled_tokens, 0.0125, 0.05, 0.0625 "
-                "from trajectories where episode_id = :e"), {"e": arith_episode})
+        _insert_audits(sql, arith_episode)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -185,6 +178,56 @@ def _ready(page: Any) -> None:
     page.wait_for_selector("main[data-ready=true]", timeout=30_000)
 
 
+AUDIT_DELTAS = [0.0, 3e-4, 3e-3, 3e-2, 0.3, math.nan]
+"""The trainer-minus-inference logprob written for the k-th sampled token: AUDIT_DELTAS[k % 6] (NaN: not
+recomputed), so every gap class of viewer.js (g0..g4, gx) appears."""
+GAP_COLOURS = {"g0": "rgb(224, 242, 254)", "g1": "rgb(186, 230, 253)", "g2": "rgb(253, 230, 138)",
+               "g3": "rgb(251, 146, 60)", "g4": "rgb(185, 28, 28)", "gx": "rgb(243, 244, 246)"}
+"""viewer.css: .by-gap .t.o0.g0 .. g4, gx."""
+
+
+def _insert_audits(sql: Sql, episode_id: str) -> None:
+    """Two audits of the trajectory: the trainer's, aggregates only (the older), and ``rollout audit``'s with every
+    recomputed logprob (the stored logprob plus AUDIT_DELTAS)."""
+    from sqlalchemy import text
+
+    tr = sql.rows("select logprobs, loss_mask from trajectories where episode_id = :e", e=episode_id)[0]
+    sampled = [lp for lp, m in zip(tr["logprobs"], tr["loss_mask"], strict=True) if m == 1]
+    recomputed = [lp + AUDIT_DELTAS[k % len(AUDIT_DELTAS)] for k, lp in enumerate(sampled)]
+    insert = ("insert into logprob_audits (episode_id, attempt, batch_id, source, checkpoint, engine, min_version, "
+              "max_version, num_tokens, mean_abs_delta, p99_abs_delta, max_abs_delta, token_logprobs, created_at) "
+              "select episode_id, attempt, batch_id, :source, 'ckpt-v0', 'fake', 0, 0, num_sampled_tokens, :mean, "
+              "0.05, 0.0625, :tokens, :at from trajectories where episode_id = :e")
+    with sql.engine.begin() as conn:
+        conn.execute(text(insert), {"e": episode_id, "source": "trainer", "mean": 0.0125, "tokens": None,
+                                    "at": "2026-11-26 10:00:00+00"})
+        conn.execute(text(insert), {"e": episode_id, "source": "audit", "mean": 0.025, "tokens": recomputed,
+                                    "at": "2026-11-26 11:00:00+00"})
+
+
+def _check_audit_gap(page: Any, sql: Sql, episode_id: str) -> None:
+    """The audit table, and the tokens coloured by the newer audit's gap, class and colour as AUDIT_DELTAS say."""
+    assert page.locator("#audits tbody tr").count() == 2
+    assert page.locator("#audits tbody tr").nth(0).locator("td").nth(2).inner_text() == "1.25e-2"
+    assert page.locator("#audits tbody tr").nth(0).locator("td.per-token").inner_text() == "aggregates only"
+    assert page.locator("#audits tbody tr").nth(1).locator("td.per-token").inner_text() == "colours the tokens"
+    page.click("button[data-mode=by-gap]")
+    mask = sql.rows("select loss_mask from trajectories where episode_id = :e", e=episode_id)[0]["loss_mask"]
+    positions = [i for i, m in enumerate(mask) if m == 1]
+    assert len(positions) >= len(AUDIT_DELTAS)
+    classes = page.eval_on_selector_all("#tokens .t.o0", "ns => ns.map(n => [Number(n.dataset.i), "
+                                        "n.className.split(' ').find(c => /^g[0-4x]$/.test(c))])")
+    expected = ["gx" if math.isnan(d) else f"g{sum(d >= e for e in (1e-4, 1e-3, 1e-2, 1e-1))}"
+                for d in AUDIT_DELTAS]
+    assert classes == [[i, expected[k % len(AUDIT_DELTAS)]] for k, i in enumerate(positions)]
+    for k, i in enumerate(positions[:len(AUDIT_DELTAS)]):
+        assert _colour(page, f"#tokens .t[data-i='{i}']") == GAP_COLOURS[expected[k]]
+    page.hover(f"#tokens .t[data-i='{positions[4]}']")
+    assert "· |Δ| 3.00e-1" in page.locator("#status-bar").inner_text()
+    page.hover(f"#tokens .t[data-i='{positions[5]}']")
+    assert "audit: not recomputed" in page.locator("#status-bar").inner_text()
+
+
 def _colour(page: Any, selector: str) -> str:
     return str(page.eval_on_selector(selector, "n => getComputedStyle(n).backgroundColor"))
 
@@ -231,8 +274,8 @@ def _check_pages(page: Any, url: str, sql: Sql, tok: ChatTokenizer, batches: dic
     page.goto(f"{url}/viewer/#/episode/{arith_episode}")
     _ready(page)
     _check_trajectory(page, sql, arith_episode)
-    assert page.locator("#audits tbody tr").count() == 1
-    assert page.locator("#audits tbody td").nth(2).inner_text() == "1.25e-2"
+    _check_audit_gap(page, sql, arith_episode)
+    page.screenshot(path=str(shots / "trajectory-audit.png"))
     page.click("button[data-mode=by-logprob]")
     tr = sql.rows("select logprobs, loss_mask from trajectories where episode_id = :e", e=arith_episode)[0]
     first = tr["loss_mask"].index(1)

@@ -1,10 +1,15 @@
-"""The viewer's per-token rows: pieces, origins, tool-call folds and the first divergence, on the real tokenizer."""
+"""The viewer's per-token rows: pieces, origins, tool-call folds and the first divergence, on the real tokenizer;
+histogram bins; an audit's per-token logprobs."""
 
 from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
 from rollout_ledger.services.scheduler.viewer.queries import bin_edges, bin_of, version_label
+from rollout_ledger.services.scheduler.viewer.routes import _audit
 from rollout_ledger.services.scheduler.viewer.tokens import (
     Origin,
     first_divergence,
@@ -105,3 +110,18 @@ def test_histogram_bins_and_version_labels() -> None:
     assert bin_edges([2.0, 2.0]) == pytest.approx([1.5 + 0.1 * i for i in range(11)])
     assert bin_edges([]) == [0.0, 1.0]
     assert version_label(None) == "none" and version_label([3]) == "v3" and version_label([3, 2, 3]) == "v2-3"
+
+
+def _audit_row(values: list[float] | None) -> dict[str, Any]:
+    return {"source": "audit", "checkpoint": "/ckpt/1", "engine": "vllm", "num_tokens": 2, "mean_abs_delta": 0.1,
+            "p99_abs_delta": 0.1, "max_abs_delta": 0.1, "created_at": datetime.now(UTC), "token_logprobs": values}
+
+
+def test_an_audit_is_shown_per_token_only_when_its_values_line_up_with_the_sampled_tokens() -> None:
+    kept = _audit(_audit_row([-0.5, float("nan")]), num_sampled=2)
+    assert kept.token_logprobs == [-0.5, None] and kept.token_note is None  # NaN: not recomputed
+    aggregates = _audit(_audit_row(None), num_sampled=2)
+    assert aggregates.token_logprobs is None and aggregates.token_note is None
+    short = _audit(_audit_row([-0.5]), num_sampled=2)
+    assert short.token_logprobs is None
+    assert short.token_note == "1 recomputed logprobs for 2 sampled tokens: not shown per token"

@@ -180,6 +180,11 @@ class AuditPublic(BaseModel):
     p99_abs_delta: float
     max_abs_delta: float
     created_at: datetime
+    token_logprobs: list[float | None] | None = None
+    """The recomputed logprob of each sampled (loss-mask 1) token, in order: the k-th value belongs to the k-th
+    token whose mask is 1 (null where it was not recomputed). Null for an audit that kept only the aggregates, or
+    whose values do not match the trajectory's sampled tokens (``token_note`` says so)."""
+    token_note: str | None = None
 
 
 class TokenViewPublic(BaseModel):

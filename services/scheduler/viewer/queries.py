@@ -253,7 +253,7 @@ async def episode_detail(conn: AsyncConnection, episode_id: str) -> dict[str, An
     detail["audits"] = [row_dict(r) for r in await conn.execute(
         select(logprob_audits.c.source, logprob_audits.c.checkpoint, logprob_audits.c.engine,
                logprob_audits.c.num_tokens, logprob_audits.c.mean_abs_delta, logprob_audits.c.p99_abs_delta,
-               logprob_audits.c.max_abs_delta, logprob_audits.c.created_at)
+               logprob_audits.c.max_abs_delta, logprob_audits.c.created_at, logprob_audits.c.token_logprobs)
         .where(logprob_audits.c.episode_id == episode_id, logprob_audits.c.attempt == attempt)
         .order_by(logprob_audits.c.created_at))]
     return detail

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
@@ -232,4 +233,16 @@ async def episode_tokens(episode_id: EpisodeIdPath, state: StateDep, res: Resour
         logprobs=[float(x) for x in detail["logprobs"]], weight_versions=[int(v) for v in detail["weight_versions"]],
         turns=_turns(detail), segments=_segments(detail),
         folds=[FoldPublic(start=f.start, end=f.end, turn_index=f.turn_index, label=f.label) for f in folds],
-        audits=[AuditPublic(**a) for a in detail["audits"]], note=note)
+        audits=[_audit(a, sum(mask)) for a in detail["audits"]], note=note)
+
+
+def _audit(row: dict[str, Any], num_sampled: int) -> AuditPublic:
+    """An audit row as the viewer shows it: the per-token logprobs only where one lines up with each sampled
+    token (NaN, not recomputed, becomes null)."""
+    values = row.pop("token_logprobs")
+    if values is None:
+        return AuditPublic(**row)
+    if len(values) != num_sampled:
+        return AuditPublic(**row, token_note=f"{len(values)} recomputed logprobs for {num_sampled} sampled tokens: "
+                                               "not shown per token")
+    return AuditPublic(**row, token_logprobs=[None if math.isnan(x) else float(x) for x in values])

@@ -202,11 +202,30 @@ async function batchPage(batchId, params) {
 
 // --- tokens ------------------------------------------------------------------------------------------------------
 const heat = (lp) => Math.max(0, Math.min(9, Math.floor(Math.exp(lp) * 10)));
+// The audit gap |trainer - inference logprob| in decades: g0 < 1e-4 … g3 < 1e-1, g4 larger; gx not recomputed.
+const GAP_EDGES = [1e-4, 1e-3, 1e-2, 1e-1];
+const gapClass = (g) => (g === null ? "gx" : `g${GAP_EDGES.filter((e) => g >= e).length}`);
+
+// The newest audit that kept every recomputed logprob, lined up with the tokens: v.audit_lp[i] and v.audit_gap[i]
+// for each sampled token i (the audit's k-th value belongs to the k-th token whose loss mask is 1), null elsewhere.
+function lineUpAudit(v) {
+  const a = [...v.audits].reverse().find((x) => x.token_logprobs);
+  if (!a) return null;
+  v.audit_lp = new Array(v.num_tokens).fill(null);
+  v.audit_gap = new Array(v.num_tokens).fill(null);
+  let k = 0;
+  for (let i = 0; i < v.num_tokens; i++) {
+    if (v.loss_mask[i] !== 1) continue;
+    const lp = a.token_logprobs[k++];
+    if (lp !== null) { v.audit_lp[i] = lp; v.audit_gap[i] = Math.abs(lp - v.logprobs[i]); }
+  }
+  return a;
+}
 
 function tokenSpan(v, i, extra = "") {
   const o = v.origins[i];
   let cls = `t o${o} m${v.loss_mask[i]}`;
-  if (o === 0) cls += ` h${heat(v.logprobs[i])} v${((v.weight_versions[i] % 8) + 8) % 8}`;
+  if (o === 0) cls += ` h${heat(v.logprobs[i])} v${((v.weight_versions[i] % 8) + 8) % 8}${v.audit_gap ? " " + gapClass(v.audit_gap[i]) : ""}`;
   const text = v.pieces ? v.pieces[i] : `⟨${v.token_ids[i]}⟩`;
   return `<span class="${cls}${extra}" data-i="${i}">${esc(text)}</span>`;
 }
@@ -298,23 +317,27 @@ function tokenPane(v, opts = {}) {
     if (!t) return;
     const i = Number(t.dataset.i);
     statusBar.textContent = `token ${i} · id ${v.token_ids[i]} · ${ORIGINS[v.origins[i]]} · mask ${v.loss_mask[i]}` +
-      (v.loss_mask[i] ? ` · logprob ${fmt(v.logprobs[i], 4)} (p=${fmt(Math.exp(v.logprobs[i]))}) · v${v.weight_versions[i]}` : "");
+      (v.loss_mask[i] ? ` · logprob ${fmt(v.logprobs[i], 4)} (p=${fmt(Math.exp(v.logprobs[i]))}) · v${v.weight_versions[i]}` : "") +
+      (v.audit_gap && v.loss_mask[i] ? (v.audit_gap[i] === null ? " · audit: not recomputed" : ` · audit logprob ${fmt(v.audit_lp[i], 4)} · |Δ| ${v.audit_gap[i].toExponential(2)}`) : "");
   });
   return pane;
 }
 
-function legend(pane) {
-  const modes = [["origin", "by-origin"], ["logprob", "by-logprob"], ["weight version", "by-version"]];
+function legend(pane, audited) {
+  const modes = [["origin", "by-origin"], ["logprob", "by-logprob"], ["weight version", "by-version"], ...(audited ? [["audit gap", "by-gap"]] : [])];
   const buttons = modes.map(([label, cls]) => el("button", { type: "button", class: "mode", "data-mode": cls, "aria-pressed": cls === "by-origin" ? "true" : "false", text: label,
     onclick: () => { pane.classList.remove(...modes.map((m) => m[1])); pane.classList.add(cls); buttons.forEach((b) => b.setAttribute("aria-pressed", String(b.dataset.mode === cls))); } }));
   return el("div", { class: "legend" }, "colour by:", ...buttons,
     el("span", { class: "t o0 m1", text: "sampled (loss mask 1)" }), el("span", { class: "t o1 m0", text: "environment" }),
-    el("span", { class: "t o2 m0", text: "template" }), el("span", { class: "note", text: "dimmed: loss mask 0 · logprob: red low → green high" }));
+    el("span", { class: "t o2 m0", text: "template" }), el("span", { class: "note", text: "dimmed: loss mask 0 · logprob: red low → green high" }),
+    audited ? el("span", { class: "by-gap gapscale", title: `audit ${audited.source} · ${audited.checkpoint}` }, "audit |Δ|:",
+      ...["<1e-4", "<1e-3", "<1e-2", "<0.1", "≥0.1", "not recomputed"].map((label, g) => el("span", { class: `t o0 m1 ${g < 5 ? "g" + g : "gx"}`, text: label }))) : null);
 }
 
 async function episodePage(episodeId) {
   const v = await api(`episodes/${encodeURIComponent(episodeId)}`);
   crumbs(["batches", "#/batches"], [v.batch_id, `#/batch/${encodeURIComponent(v.batch_id)}`], [`task ${v.task_index}`, `#/group/${encodeURIComponent(v.batch_id)}/${v.task_index}`], [episodeId]);
+  const audited = lineUpAudit(v);
   const pane = tokenPane(v);
   const versions = [...new Set(v.weight_versions.filter((x) => x >= 0))];
   const side = el("aside", { class: "side", id: "turns" },
@@ -324,14 +347,15 @@ async function episodePage(episodeId) {
         el("span", { text: ` · tokens ${t.start}–${t.end - 1} · v${fmt(t.weight_version)} · ${t.finish_reason || ""}${t.drift ? " · drift " + t.drift : ""}` })),
       t.observation !== null ? el("details", {}, el("summary", { text: `observation · reward ${fmt(t.reward)}${t.terminated ? " · terminated" : ""}${t.truncated ? " · truncated" : ""}` }), el("div", { class: "obs", text: t.observation })) : null)),
     el("h2", { text: "Logprob audit" }),
-    v.audits.length ? el("table", { id: "audits" }, el("thead", {}, el("tr", {}, ...["source", "tokens", "mean |Δ|", "p99 |Δ|", "max |Δ|"].map((h) => el("th", { text: h })))),
-      el("tbody", {}, v.audits.map((a) => el("tr", { title: `${a.checkpoint} · ${a.engine}` }, el("td", { text: a.source }), el("td", { class: "num", text: a.num_tokens }), el("td", { class: "num", text: a.mean_abs_delta.toExponential(2) }), el("td", { class: "num", text: a.p99_abs_delta.toExponential(2) }), el("td", { class: "num", text: a.max_abs_delta.toExponential(2) })))))
+    v.audits.length ? el("table", { id: "audits" }, el("thead", {}, el("tr", {}, ...["source", "tokens", "mean |Δ|", "p99 |Δ|", "max |Δ|", "per token"].map((h) => el("th", { text: h })))),
+      el("tbody", {}, v.audits.map((a) => el("tr", { title: `${a.checkpoint} · ${a.engine}` }, el("td", { text: a.source }), el("td", { class: "num", text: a.num_tokens }), el("td", { class: "num", text: a.mean_abs_delta.toExponential(2) }), el("td", { class: "num", text: a.p99_abs_delta.toExponential(2) }), el("td", { class: "num", text: a.max_abs_delta.toExponential(2) }),
+        el("td", { class: "per-token", text: a === audited ? "colours the tokens" : a.token_logprobs ? "kept" : a.token_note || "aggregates only" })))))
       : el("p", { class: "note", text: "no audit of this trajectory (rollout audit --batch …)" }));
   show(
     el("h1", { text: `Episode ${episodeId}` }),
     el("p", { id: "summary" }, el("span", { text: `${v.env} · ${v.status}${v.failure_class ? " (" + v.failure_class + ": " + (v.failure_reason || "") + ")" : ""} · reward ${fmt(v.reward)} · ${v.num_tokens} tokens, ${v.num_sampled_tokens} sampled · ${v.turns.length} turns · ${v.segments.length} segment(s) · versions ${versions.map((x) => "v" + x).join(", ") || "none"} · token check ${v.token_check || "–"}` })),
     v.note ? el("p", { class: "note", text: v.note }) : null,
-    legend(pane),
+    legend(pane, audited),
     el("div", { class: "layout" }, pane, side));
 }
 
