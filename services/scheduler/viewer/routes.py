@@ -79,8 +79,8 @@ async def batch_summary(batch_id: BatchIdPath, res: ResourcesDep) -> BatchSummar
             batch = await store.get_batch(conn, batch_id)
             if batch is None:
                 raise _batch_missing(batch_id)
-            counts = await store.status_counts(conn, batch_id)
             summary = await queries.batch_summary(conn, batch_id)
+    counts = {str(s): 0 for s in EpisodeStatus} | summary.statuses  # the same pass as the histograms: consistent
     return BatchSummaryPublic(
         batch_id=batch_id, env=batch["env"], group_size=batch["group_size"], num_tasks=batch["num_tasks"],
         num_episodes=batch["num_episodes"], counts=counts, done=store.is_done(counts),
