@@ -209,8 +209,9 @@ def _check_audit_gap(page: Any, sql: Sql, episode_id: str) -> None:
     """The audit table, and the tokens coloured by the newer audit's gap, class and colour as AUDIT_DELTAS say."""
     assert page.locator("#audits tbody tr").count() == 2
     assert page.locator("#audits tbody tr").nth(0).locator("td").nth(2).inner_text() == "1.25e-2"
-    assert page.locator("#audits tbody tr").nth(0).locator("td.per-token").inner_text() == "aggregates only"
-    assert page.locator("#audits tbody tr").nth(1).locator("td.per-token").inner_text() == "colours the tokens"
+    assert page.locator("#audits tbody tr").nth(0).get_attribute("title").endswith("per token: aggregates only")
+    assert page.locator("#audits tbody tr.per-token").locator("td").first.inner_text() == "audit"
+    assert page.locator("#audit-tokens").inner_text().startswith("per token: audit · ckpt-v0 (highlighted)")
     page.click("button[data-mode=by-gap]")
     mask = sql.rows("select loss_mask from trajectories where episode_id = :e", e=episode_id)[0]["loss_mask"]
     positions = [i for i, m in enumerate(mask) if m == 1]

@@ -347,10 +347,11 @@ async function episodePage(episodeId) {
         el("span", { text: ` · tokens ${t.start}–${t.end - 1} · v${fmt(t.weight_version)} · ${t.finish_reason || ""}${t.drift ? " · drift " + t.drift : ""}` })),
       t.observation !== null ? el("details", {}, el("summary", { text: `observation · reward ${fmt(t.reward)}${t.terminated ? " · terminated" : ""}${t.truncated ? " · truncated" : ""}` }), el("div", { class: "obs", text: t.observation })) : null)),
     el("h2", { text: "Logprob audit" }),
-    v.audits.length ? el("table", { id: "audits" }, el("thead", {}, el("tr", {}, ...["source", "tokens", "mean |Δ|", "p99 |Δ|", "max |Δ|", "per token"].map((h) => el("th", { text: h })))),
-      el("tbody", {}, v.audits.map((a) => el("tr", { title: `${a.checkpoint} · ${a.engine}` }, el("td", { text: a.source }), el("td", { class: "num", text: a.num_tokens }), el("td", { class: "num", text: a.mean_abs_delta.toExponential(2) }), el("td", { class: "num", text: a.p99_abs_delta.toExponential(2) }), el("td", { class: "num", text: a.max_abs_delta.toExponential(2) }),
-        el("td", { class: "per-token", text: a === audited ? "colours the tokens" : a.token_logprobs ? "kept" : a.token_note || "aggregates only" })))))
-      : el("p", { class: "note", text: "no audit of this trajectory (rollout audit --batch …)" }));
+    v.audits.length ? el("table", { id: "audits" }, el("thead", {}, el("tr", {}, ...["source", "tokens", "mean |Δ|", "p99 |Δ|", "max |Δ|"].map((h) => el("th", { text: h })))),
+      el("tbody", {}, v.audits.map((a) => el("tr", { title: `${a.checkpoint} · ${a.engine} · per token: ${a === audited ? "colours the tokens" : a.token_logprobs ? "kept" : a.token_note || "aggregates only"}`, class: a === audited ? "per-token" : "" },
+        el("td", { text: a.source }), el("td", { class: "num", text: a.num_tokens }), el("td", { class: "num", text: a.mean_abs_delta.toExponential(2) }), el("td", { class: "num", text: a.p99_abs_delta.toExponential(2) }), el("td", { class: "num", text: a.max_abs_delta.toExponential(2) })))))
+      : el("p", { class: "note", text: "no audit of this trajectory (rollout audit --batch …)" }),
+    v.audits.length ? el("p", { class: "note", id: "audit-tokens", text: audited ? `per token: ${audited.source} · ${audited.checkpoint} (highlighted) colours the tokens in the "audit gap" mode` : `per token: ${v.audits.map((a) => a.token_note || "aggregates only").join("; ")}` }) : null);
   show(
     el("h1", { text: `Episode ${episodeId}` }),
     el("p", { id: "summary" }, el("span", { text: `${v.env} · ${v.status}${v.failure_class ? " (" + v.failure_class + ": " + (v.failure_reason || "") + ")" : ""} · reward ${fmt(v.reward)} · ${v.num_tokens} tokens, ${v.num_sampled_tokens} sampled · ${v.turns.length} turns · ${v.segments.length} segment(s) · versions ${versions.map((x) => "v" + x).join(", ") || "none"} · token check ${v.token_check || "–"}` })),
