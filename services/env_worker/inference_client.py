@@ -116,6 +116,8 @@ class InferenceClient:
         self.tracing = tracing if tracing is not None else Tracing.off()
         """Carries the current span's trace context in each request's headers (off: no headers)."""
         self.workers: dict[str, WorkerState] = {}
+        self._warned_short: set[str] = set()
+        """Workers whose heartbeat interval was found too close to ``heartbeat_timeout_s`` (warned once each)."""
         self._on_retry = on_retry or (lambda: None)
         self._on_latency = on_latency or (lambda _s: None)
         self._inbox: ReplyInbox[Msg] = ReplyInbox(
@@ -228,6 +230,14 @@ class InferenceClient:
         state.weight_version = _int(hb.get("weight_version"), 0) if hb.get("weight_version") is not None else None
         state.engine = str(hb.get("engine", ""))
         state.last_seen = now
+        every = hb.get("every_s")
+        if (isinstance(every, int | float) and self.config.heartbeat_timeout_s < 2 * every
+                and worker_id not in self._warned_short):
+            self._warned_short.add(worker_id)
+            log.warning("inference.heartbeat_timeout_short", worker=worker_id, heartbeat_s=every,
+                        heartbeat_timeout_s=self.config.heartbeat_timeout_s,
+                        hint="a heartbeat a little late fails over the turns of a live worker: set "
+                             "ROLLOUT_HEARTBEAT_TIMEOUT_S to 3x the workers' ROLLOUT_HEARTBEAT_S or more")
         self._first_heartbeat.set()
 
     def reap(self) -> list[str]:
@@ -267,10 +277,24 @@ class InferenceClient:
         does this on its own)."""
         return self._inbox.sweep()
 
+    def excuse_stall(self, stalled_s: float) -> None:
+        """This client's own event loop was blocked for ``stalled_s``: the heartbeats that arrived meanwhile are
+        still unread, so every worker gets a full ``heartbeat_timeout_s`` from now (as after a NATS restart)
+        rather than being reaped for this client's silence."""
+        now = asyncio.get_running_loop().time()
+        for state in self.workers.values():
+            state.last_seen = max(state.last_seen, now)
+        log.warning("inference.loop_stalled", stalled_s=round(stalled_s, 3), workers=len(self.workers))
+
     async def _reap_forever(self) -> None:
+        loop = asyncio.get_running_loop()
         interval = max(0.05, self.config.heartbeat_timeout_s / 4)
         while True:
+            due = loop.time() + interval
             await asyncio.sleep(interval)
+            late = loop.time() - due
+            if late > self.config.heartbeat_timeout_s / 2:
+                self.excuse_stall(late)
             self.reap()
 
     def choose(self, prefer: str | None = None, exclude: frozenset[str] | set[str] = frozenset()) -> WorkerState | None:

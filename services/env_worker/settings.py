@@ -33,7 +33,8 @@ class EnvWorkerSettings(ConsumerSettings):
     inference_backoff_max_s: float = Field(2.0, ge=0)
     """Longest pause between tries."""
     heartbeat_timeout_s: float = Field(3.0, gt=0)
-    """An inference worker without a heartbeat for this long is dead: its waiting requests fail over."""
+    """An inference worker without a heartbeat for this long is dead: its waiting requests fail over. Keep it at
+    3x the workers' ``ROLLOUT_HEARTBEAT_S`` or more (under 2x is warned: a late beat would fail over live turns)."""
     inference_discovery_s: float = Field(1.5, ge=0)
     """At start, how long to listen for inference heartbeats before taking work (turns sent to ``INFER_ANY``
     cannot be failed over as precisely as turns sent to a known worker)."""

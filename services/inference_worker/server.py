@@ -147,6 +147,7 @@ class InferenceServer:
             "engine": self.engine.name,
             "draining": self.draining,
             "time": time.time(),
+            "every_s": self.identity.heartbeat_s,
         }
 
     async def heartbeat(self) -> None:

@@ -81,9 +81,13 @@ async def test_sigkill_mid_episode_is_redelivered_as_attempt_2(stack: Stack, nc:
 
 
 async def test_failover_when_an_inference_worker_dies(stack: Stack, nc: bus.NATS) -> None:
-    """SIGKILL the inference worker holding a turn: its heartbeats stop and the turn is retried on another."""
+    """SIGKILL the inference worker holding a turn: its heartbeats stop and the turn is retried on another.
+
+    The workers beat every 0.2 s against the env worker's 1 s timeout. With the default 1 s beat, a beat a few ms
+    late on a busy machine had the env worker fail over inference-a's turn while it was still alive (CI saw r3,
+    not r2); the env worker now warns of such a setting (``inference.heartbeat_timeout_short``)."""
     doomed = await asyncio.to_thread(stack.start, "inference-worker", "inference-a", ROLLOUT_ENGINE="fake",
-                                     ROLLOUT_FAKE_DELAY_S="30")
+                                     ROLLOUT_FAKE_DELAY_S="30", ROLLOUT_HEARTBEAT_S="0.2")
     await start_worker(stack, ROLLOUT_HEARTBEAT_TIMEOUT_S="1", ROLLOUT_INFERENCE_BACKOFF_S="0.05")
     js = nc.jetstream()
     item = work_item("fixed-turns", {"turns": 2})
@@ -93,7 +97,8 @@ async def test_failover_when_an_inference_worker_dies(stack: Stack, nc: bus.NATS
         return any(e.type == "episode.started" for e in await episode_events(js, item.episode_id))
 
     await until(started, 10, "episode started (turn 0 waiting in inference-a)")
-    await asyncio.to_thread(stack.start, "inference-worker", "inference-b", ROLLOUT_ENGINE="fake")
+    await asyncio.to_thread(stack.start, "inference-worker", "inference-b", ROLLOUT_ENGINE="fake",
+                            ROLLOUT_HEARTBEAT_S="0.2")
     await asyncio.to_thread(doomed.kill)
     ev = await terminal_of(js, item.episode_id, timeout_s=15)
     assert ev.type == "episode.finished" and ev.num_turns == 2 and ev.info["token_check"] == "ok"

@@ -43,7 +43,7 @@ from rollout_ledger.shared.subjects import (
 )
 
 HEARTBEAT_FIELDS = {"worker_id", "subject", "inflight", "capacity", "weight_version", "engine", "draining", "swapping",
-                    "time"}
+                    "time", "every_s"}
 
 
 async def until(cond: Callable[[], bool], within_s: float = 10.0, what: str = "condition") -> None:
@@ -186,6 +186,7 @@ async def test_heartbeats(nc: bus.NATS, nats_url: str, model_dir: str, heartbeat
     assert (first["capacity"], first["weight_version"], first["engine"]) == (17, 3, "fake")
     assert first["inflight"] == 0 and first["draining"] is False and first["swapping"] is False
     assert abs(first["time"] - time.time()) < 30
+    assert first["every_s"] == settings.heartbeat_s  # so an env worker can tell a timeout too close to it
     assert beats[-1]["draining"] is True  # announced on shutdown
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from structlog.testing import capture_logs
 
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.shared.errors import InferenceError
@@ -29,6 +30,9 @@ from rollout_ledger.shared.events import (
 )
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, event_subject, infer_worker_subject
+
+BEAT_S = 0.1
+"""The in-test workers' heartbeat interval (the client fixture's timeout is 0.5 s: five beats)."""
 
 
 class Responder:
@@ -58,11 +62,11 @@ class Responder:
         await self.nc.publish(INFER_HEARTBEAT, dumps({
             "worker_id": self.worker_id, "subject": infer_worker_subject(self.worker_id), "inflight": self.inflight,
             "capacity": self.capacity, "weight_version": 0, "engine": "test", "draining": self.draining,
-            "time": time.time()}))
+            "time": time.time(), "every_s": BEAT_S}))
 
     async def _beat_forever(self) -> None:
         while True:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(BEAT_S)
             await self.beat()
 
     def stop_heartbeats(self) -> None:
@@ -178,6 +182,39 @@ async def test_failover_when_heartbeats_stop(nc: bus.NATS, client: InferenceClie
     assert client.retries == [1]
     await hung.stop()
     await good.stop()
+
+
+async def test_a_stalled_loop_reaps_no_live_worker(nc: bus.NATS, client: InferenceClient) -> None:
+    """This client's own loop blocked for twice the heartbeat timeout: the beats of that time are unread when the
+    reaper wakes, late. It excuses the workers instead of failing over a live one's turns."""
+    live = await Responder(nc, "live").start()
+    await until(lambda: "live" in client.workers)
+    with capture_logs() as logs:
+        time.sleep(1.0)  # noqa: ASYNC251 -- blocking this event loop (the client's, and the responder's) is the point
+        await asyncio.sleep(0.3)
+    assert "live" in client.workers
+    assert [e["event"] for e in logs if e["event"].startswith("inference.")] == ["inference.loop_stalled"]
+    live.stop_heartbeats()  # a real silence afterwards is still noticed
+    await until(lambda: "live" not in client.workers, timeout_s=2.0)
+    await live.stop()
+
+
+async def test_a_heartbeat_timeout_close_to_the_interval_is_warned_once(nc: bus.NATS,
+                                                                          client: InferenceClient) -> None:
+    with capture_logs() as logs:
+        steady = await Responder(nc, "steady").start()
+        await until(lambda: "steady" in client.workers)
+        await steady.beat()
+        await nc.publish(INFER_HEARTBEAT, dumps({"worker_id": "slow", "subject": infer_worker_subject("slow"),
+                                                 "every_s": 0.4}))
+        await until(lambda: "slow" in client.workers)
+        await nc.publish(INFER_HEARTBEAT, dumps({"worker_id": "slow", "subject": infer_worker_subject("slow"),
+                                                 "every_s": 0.4}))
+        await nc.flush()
+        await asyncio.sleep(0.05)
+    warned = [e for e in logs if e["event"] == "inference.heartbeat_timeout_short"]
+    assert [(e["worker"], e["heartbeat_s"], e["heartbeat_timeout_s"]) for e in warned] == [("slow", 0.4, 0.5)]
+    await steady.stop()
 
 
 async def test_failover_on_no_responders_and_retryable_errors(nc: bus.NATS, client: InferenceClient) -> None:
