@@ -15,6 +15,7 @@ def build_engine(settings: InferenceSettings) -> Engine:
         return FakeEngine(
             settings.model,
             delay_s=settings.fake_delay_s,
+            delay_jitter_s=settings.fake_delay_jitter_s,
             tokens_per_s=settings.fake_tokens_per_s,
             load_s=settings.fake_load_s,
         )

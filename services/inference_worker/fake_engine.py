@@ -28,8 +28,10 @@ How it answers (all deterministic: the same prompt ids, sampling parameters and 
   ``block_size`` blocks and never the last prompt token (as vLLM counts it). Without a session key it is None.
   The model keeps the last ``max_sessions`` sessions (least recently used first out).
 
-Cost knobs: ``delay_s`` (sleep per request, for crash and drain tests) and ``tokens_per_s`` (simulated decode
-speed; 0 is instant). Both default to 0, so the engine costs microseconds per request.
+Cost knobs: ``delay_s`` (sleep per request, for crash and drain tests), ``delay_jitter_s`` (up to that much more,
+the same for the same request id, so episodes started together drift apart as real decodes do) and
+``tokens_per_s`` (simulated decode speed; 0 is instant). All default to 0, so the engine costs microseconds per
+request.
 
 Weight updates: ``load_weights`` checks the checkpoint as a real engine would (``checkpoints.check_compatible``:
 architecture, tokenizer, readable safetensors headers), takes ``load_s`` seconds and drops its prefix-cache model.
@@ -255,6 +257,11 @@ def fake_logprobs(token_ids: np.ndarray, h: int) -> np.ndarray:
     return _logprob_table()[np.asarray(buckets, dtype=np.intp)]
 
 
+def jitter_fraction(request_id: str) -> float:
+    """A fraction in [0, 1) fixed by the request id (the same id waits the same, run after run)."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") / 2**64
+
+
 class FakeEngine:
     """Deterministic fake engine with real token ids (see the module docstring for its behaviour)."""
 
@@ -267,6 +274,7 @@ class FakeEngine:
         model: str,
         *,
         delay_s: float = 0.0,
+        delay_jitter_s: float = 0.0,
         tokens_per_s: float = 0.0,
         block_size: int = 16,
         max_sessions: int = 4096,
@@ -278,6 +286,7 @@ class FakeEngine:
         self.checkpoint = model
         """The directory whose weights it "serves" (the model until ``load_weights``)."""
         self.delay_s = delay_s
+        self.delay_jitter_s = delay_jitter_s
         self.tokens_per_s = tokens_per_s
         self.block_size = block_size
         self.max_sessions = max_sessions
@@ -335,6 +344,8 @@ class FakeEngine:
     ) -> Generation:
         ids, finish, h = self._sample(prompt_token_ids, sampling, max_tokens, session_key)
         wait_s = self.delay_s + (ids.shape[0] / self.tokens_per_s if self.tokens_per_s > 0 else 0.0)
+        if self.delay_jitter_s > 0:
+            wait_s += self.delay_jitter_s * jitter_fraction(request_id)
         if wait_s > 0 and await self._wait(request_id, wait_s):
             empty = np.zeros(0, dtype=np.int32)
             return Generation(empty, np.zeros(0, dtype=np.float32), FinishReason.ABORT)

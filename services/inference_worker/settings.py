@@ -43,6 +43,9 @@ class InferenceSettings(BaseServiceSettings):
     """Seconds between heartbeats on ``rl.infer.heartbeat``."""
     fake_delay_s: float = Field(0.0, ge=0)
     """Fake engine only: seconds each request takes (for crash and drain tests)."""
+    fake_delay_jitter_s: float = Field(0.0, ge=0)
+    """Fake engine only: up to this many seconds more per request, fixed by its request id (episodes started
+    together drift apart, as with a real engine)."""
     fake_tokens_per_s: float = Field(0.0, ge=0)
     """Fake engine only: simulated decode speed per request; 0 means instant."""
     request_timeout_s: float = Field(600.0, gt=0)

@@ -126,6 +126,7 @@ class Weights:
 
     async def _abort_running(self) -> None:
         running = list(self._running)
+        log.info("weights.abort_running", cut=len(running))
         self._again.update(running)
         await asyncio.gather(*(self.engine.abort(rid) for rid in running), return_exceptions=True)
 

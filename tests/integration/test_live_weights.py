@@ -43,8 +43,11 @@ def _until_state(url: str, worker_id: str, version: int, state: str, timeout_s: 
 
 def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, model_dir: str,
                                               tmp_path: Path) -> None:
-    inf = stack.start("inference-worker", name="inf-a", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="0.2",
-                      ROLLOUT_FAKE_LOAD_S="0.5", ROLLOUT_POLICY_REPORT_S="1")
+    # 0.1-0.3 s a turn (0.2 on average): the jitter lets the episodes of a wave drift apart, so generations are
+    # in flight at any moment of a wave. Without it, episodes started together stayed in step, and an abort could
+    # land in the gap between two of their turns and cut nothing (CI saw it once, on a busy machine).
+    inf = stack.start("inference-worker", name="inf-a", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="0.1",
+                      ROLLOUT_FAKE_DELAY_JITTER_S="0.2", ROLLOUT_FAKE_LOAD_S="0.5", ROLLOUT_POLICY_REPORT_S="1")
     env = stack.start("env-worker", ROLLOUT_CONCURRENCY="16", ROLLOUT_POLICY_REPORT_S="1")
     stack.start("recorder")
     url = stack.start("scheduler").url
@@ -74,6 +77,7 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
                                     "and t.turn_index between 1 and 3) and not exists (select from turns t "
                                     "where t.episode_id = e.id and t.turn_index > 3)"), 60,
                  "episodes in the middle of their turns on version 1 (the abort cuts them)")
+        wait_for(lambda: metric(inf.url, "rollout_inference_inflight") >= 4, 10, "generations in flight")
         _announce(url, 2, checkpoint(model_dir, tmp_path / "v2"), "abort")
         _until_state(url, "inf-a", 2, "serving")
         _announce(url, 3, checkpoint(model_dir, tmp_path / "v3", vocab_size=7), "drain")

@@ -244,3 +244,27 @@ async def test_seedless_sessions_differ_and_each_is_reproducible(engine: FakeEng
     seeded = {text_of(tok, await engine.generate("r", prompt, SamplingParams(seed=5), 64, session_key=f"b.0.{g}"))
               for g in range(16)}
     assert len(seeded) == 1  # an explicit seed is reproducible across sessions
+
+
+async def test_delay_jitter_is_fixed_by_the_request_id(model_dir: str, tok: ChatTokenizer,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request waits delay_s plus up to delay_jitter_s, the same for the same id (what a test or a benchmark
+    run sees again), spread over the range across ids."""
+    settings = InferenceSettings(model=model_dir, engine="fake", fake_delay_s=0.1, fake_delay_jitter_s=0.2)
+    eng = build_engine(settings)
+    assert isinstance(eng, FakeEngine)
+    await eng.start()
+    waits: list[tuple[str, float]] = []
+
+    async def recorded(request_id: str, seconds: float) -> bool:
+        waits.append((request_id, seconds))
+        return False
+
+    monkeypatch.setattr(eng, "_wait", recorded)
+    prompt = chat(tok, ("user", "Hello"))
+    for rid in [f"b.{i}.0:a1:t0:r1" for i in range(200)] + ["b.0.0:a1:t0:r1"]:
+        await eng.generate(rid, prompt, SamplingParams(), 8)
+    seconds = [s for _, s in waits]
+    assert all(0.1 <= s < 0.3 for s in seconds)
+    assert seconds[-1] == seconds[0]  # the same request id waits the same
+    assert min(seconds) < 0.12 and max(seconds) > 0.28 and 0.18 < statistics.mean(seconds) < 0.22
