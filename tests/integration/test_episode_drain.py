@@ -168,13 +168,16 @@ async def test_abort_pauses_no_episode_and_records_mixed_ones_per_turn(stack: St
                                                                        database_url: str, model_dir: str,
                                                                        tmp_path: Path) -> None:
     js = nc.jetstream()
-    inf, env, url = _stack(stack, {"ROLLOUT_FAKE_DELAY_S": "0.2", "ROLLOUT_FAKE_LOAD_S": "0.5"},
-                           {"ROLLOUT_CONCURRENCY": "8"})
+    # 0.1-0.3 s a turn: the jitter lets the 8 episodes, started together, drift apart, so generations are in flight
+    # whenever the abort lands (in step, an abort between two of their turns cut nothing)
+    inf, env, url = _stack(stack, {"ROLLOUT_FAKE_DELAY_S": "0.1", "ROLLOUT_FAKE_DELAY_JITTER_S": "0.2",
+                                   "ROLLOUT_FAKE_LOAD_S": "0.5"}, {"ROLLOUT_CONCURRENCY": "8"})
     await _first_report(js, "env-a")
     batch_id = await _batch(url, tasks=4, turns=8)  # 8 episodes, all at once
     sql = Sql(database_url)
     try:
         await until(lambda: sql.scalar("select count(*) from turns") >= 16, 60, "turns on version 0")
+        await until(lambda: metric(inf.url, "rollout_inference_inflight") >= 2, 10, "generations in flight")
         await _announce(url, 1, checkpoint(model_dir, tmp_path / "v1"), "abort")
         reports: list[EnvPolicyReport] = []
 
