@@ -156,6 +156,9 @@ steps = Table(
     Column("superseded", Boolean, nullable=False, server_default=text("false")),
     Column("produced_at", DateTime(timezone=True), nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("reused_from", String(256),
+           comment="a resumed attempt carried this turn over: the recorded step it repeats (migration 0015)"),
+    Column("env_state", JSONB, comment="a snapshot env's state after this step (migration 0015)"),
     _finite_reward("steps", "reward"),
     Index("ix_steps_episode", "episode_id", "attempt", "turn_index"),
 )
@@ -224,6 +227,26 @@ attempt_failures = Table(
     Index("ix_attempt_failures_class", "failure_class", "produced_at"),
 )
 
+attempt_resumes = Table(
+    "attempt_resumes",
+    metadata,
+    Column("episode_id", String(128),
+           ForeignKey("episodes.id", ondelete="CASCADE", name="fk_attempt_resumes_episode"), primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("batch_id", String(128), nullable=False),
+    Column("mode", String(16), nullable=False, comment="replay | snapshot | agent_replay | restart"),
+    Column("from_attempt", Integer, nullable=False, comment="the attempt whose recorded turns were read (0: none)"),
+    Column("turns_recorded", Integer, nullable=False, comment="turns of that attempt recorded with their steps"),
+    Column("turns_reused", Integer, nullable=False,
+           comment="turns carried over at the start (an agent replay counts its steps' reused_from instead)"),
+    Column("turns_unstepped", Integer, nullable=False,
+           comment="turns of that attempt generated without a recorded step (generated again)"),
+    Column("reason", Text, nullable=False, comment="why it fell back to restart, or what limited the reuse"),
+    Column("produced_at", DateTime(timezone=True), nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_attempt_resumes_batch", "batch_id"),
+)
+
 dead_letters = Table(
     "dead_letters",
     metadata,
@@ -239,7 +262,7 @@ dead_letters = Table(
 )
 
 
-SCHEMA_REVISION = "0014"
+SCHEMA_REVISION = "0015"
 """The Alembic revision these tables describe and this code expects: the newest file in migrations/versions
 (tests/unit/test_schema_revision.py fails when a migration is added without moving it)."""
 

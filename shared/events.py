@@ -153,6 +153,42 @@ class FailureClass(enum.StrEnum):
     """The episode ran past its deadline."""
 
 
+class ResumeMode(enum.StrEnum):
+    """How an attempt after the first got back the state of the one before it."""
+
+    REPLAY = "replay"
+    """The env was reset with the same task and the recorded actions applied again, every observation compared
+    with the recorded one; the recorded turns are kept, not generated again."""
+    SNAPSHOT = "snapshot"
+    """The env restored the state it returned after the last recorded step (``Env.restore``)."""
+    AGENT_REPLAY = "agent_replay"
+    """An agent function ran again; each model call it repeated was answered from the recorded turns, token-exact,
+    until the first new call."""
+    RESTART = "restart"
+    """Started again from turn 0: the env cannot be restored, nothing was recorded, or the replay diverged
+    (``ResumeInfo.reason`` says which)."""
+
+
+class ResumeInfo(BaseModel):
+    """Where an attempt resumed (``EpisodeStarted.resume``)."""
+
+    model_config = _TOLERANT
+
+    mode: ResumeMode
+    from_attempt: int = Field(0, ge=0)
+    """The attempt whose recorded turns were read (0: none was read)."""
+    turns_recorded: int = Field(0, ge=0)
+    """Turns of that attempt recorded with their steps (what could be kept)."""
+    turns_reused: int = Field(0, ge=0)
+    """Recorded turns this attempt carries over at its start (an agent replay counts its repeated calls in its
+    steps' ``reused_from`` instead, as the agent makes them)."""
+    turns_unstepped: int = Field(0, ge=0)
+    """Turns of that attempt generated but never followed by a recorded step (in flight at the crash): generated
+    again."""
+    reason: str = ""
+    """Why the attempt fell back to ``restart`` (or what limited the reuse); empty when it resumed as planned."""
+
+
 class _Event(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, arbitrary_types_allowed=True)
 
@@ -221,6 +257,12 @@ class EpisodeStarted(_Event):
     """The chat template's rendering of the initial messages."""
     messages: list[dict[str, Any]] = Field(default_factory=list)
     """The initial chat messages returned by ``env.reset``."""
+    resume: ResumeInfo | None = None
+    """Set on an attempt after the first: where it resumed from, how, and why it fell back (None: attempt 1, or
+    an env worker of a release before resume)."""
+
+    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({"resume"})
+    """Left off the wire while unset, so a first attempt's event is what it was before resume existed."""
 
 
 class InferenceRequested(_Event):
@@ -301,6 +343,16 @@ class StepCompleted(_Event):
     new_segment: bool = False
     """``observation_token_ids`` is the whole re-rendered context of the next turn (mask 0): a new segment of the
     trajectory starts with it (a trainer trains on each segment as its own sample)."""
+    reused_from: str | None = None
+    """Set when a resumed attempt carries this turn over from an earlier attempt: the recorded step it repeats
+    (its ``turn_event_id`` names the recorded turn, not a new generation). None: the turn was played in this
+    attempt."""
+    env_state: Any = None
+    """A ``snapshot`` env's serialisable state after this step (``Env.snapshot``), stored with the step: what a
+    resumed attempt restores instead of replaying the actions. None for other envs."""
+
+    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({"reused_from", "env_state"})
+    """Left off the wire while unset: a step of a first attempt is what it was before resume existed."""
 
 
 class EpisodeFinished(_Event):

@@ -161,6 +161,7 @@ def permission_table() -> dict[str, Permissions]:
                      sj.WORK_DEAD_LETTER_SUBJECT, *_events(ENV_WORKER),
                      sj.INFER_ANY, sj.infer_worker_subject("*"), sj.INFER_CANCEL,
                      sj.infer_pool_subject("*"),  # an env's own generations addressed to a model pool (env_llm.py)
+                     sj.RESUME_SUBJECT,  # a resumed attempt's recorded turns, read from a recorder
                      *_kv_write(sj.ENVS_BUCKET), *_kv_write(sj.POLICY_ENV_BUCKET), *_kv_write(sj.LEASE_BUCKET),
                      *_kv_write(sj.ENV_WORKERS_BUCKET),
                      *_kv_read(sj.CANCEL_BUCKET), *_kv_read(sj.POLICY_BUCKET), *_kv_read(sj.POLICY_WORKERS_BUCKET)),
@@ -181,7 +182,8 @@ def permission_table() -> dict[str, Permissions]:
                      f"{API}.CONSUMER.INFO.{sj.WORK_STREAM}.{WORK_CONSUMERS}",  # an advisory checked against it
                      # the work item of an episode given up on: read it, then remove it from the queue
                      f"{API}.STREAM.MSG.GET.{sj.WORK_STREAM}", f"{API}.STREAM.MSG.DELETE.{sj.WORK_STREAM}"),
-            subscribe=(f"{inbox_prefix(RECORDER)}.>",),
+            subscribe=(f"{inbox_prefix(RECORDER)}.>", sj.RESUME_SUBJECT),
+            allow_responses=True,  # answers to resume queries (shared/resume.py)
         ),
     }
 

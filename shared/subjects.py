@@ -102,6 +102,13 @@ INFER_CANCEL = "rl.infer.cancel"
 the worker running it aborts it in the engine (core NATS, every worker listens; best effort)."""
 
 
+# --- resume: core NATS request/reply to the recorder ---------------------------------------------
+RESUME_SUBJECT = "rl.recorder.resume"
+"""An env worker starting an attempt after the first asks the recorders here for the episode's recorded turns
+(``shared/resume.py``); any recorder of the queue group ``RESUME_QUEUE`` answers from Postgres."""
+RESUME_QUEUE = "recorders"
+
+
 # --- wire headers --------------------------------------------------------------------------------
 MSG_ID_HEADER = "Nats-Msg-Id"
 """JetStream's dedupe header: every event is published with its ``event_id`` here."""

@@ -30,6 +30,16 @@ class EnvWorkerMetrics:
     policy_pause_seconds: Histogram
     policy_episode_drain_seconds: Histogram
     policy_pause_timeouts: Counter
+    resumed_attempts: Counter
+    turns_reused: Counter
+    turns_regenerated: Counter
+
+    def resumed(self, mode: str, reused: int, regenerated: int) -> None:
+        """Count one attempt after the first: how it resumed, the recorded turns it carried over and the turns
+        generated before that it generates again (the "completed work reused after restart" figure)."""
+        self.resumed_attempts.labels(mode=mode).inc()
+        self.turns_reused.labels(mode=mode).inc(reused)
+        self.turns_regenerated.labels(mode=mode).inc(regenerated)
 
 
 def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics:
@@ -71,4 +81,11 @@ def build_metrics(registry: CollectorRegistry | None = None) -> EnvWorkerMetrics
                                                buckets=_PAUSE_BUCKETS, registry=registry),
         policy_pause_timeouts=Counter("rollout_policy_pause_timeouts", "Pauses ended by policy_drain_timeout_s while "
                                       "a live inference worker did not serve the version yet", registry=registry),
+        resumed_attempts=Counter("rollout_resumed_attempts_total", "Episode attempts after the first, by how they "
+                                 "resumed (replay, snapshot, agent_replay, restart)", ["mode"], registry=registry),
+        turns_reused=Counter("rollout_resume_turns_reused_total", "Recorded turns carried over by a later attempt "
+                             "instead of being generated again", ["mode"], registry=registry),
+        turns_regenerated=Counter("rollout_resume_turns_regenerated_total", "Turns an earlier attempt had generated "
+                                  "that a later attempt generates again (in flight at the crash, or every turn of a "
+                                  "restart)", ["mode"], registry=registry),
     )

@@ -26,11 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rollout_ledger.shared.events import EpisodeRequested, FailureClass, utcnow
-
-
-def requested_msg_id(episode_id: str, attempt: int) -> str:
-    """``Nats-Msg-Id`` of the work item that starts ``attempt`` of a retried episode (attempt >= 2)."""
-    return f"{episode_id}:requested:a{attempt}"
+from rollout_ledger.shared.ids import retry_requested_id
 
 
 @dataclass(frozen=True)
@@ -50,5 +46,5 @@ class RetryBudgets:
         failures = dict(item.failures)
         failures[str(failure_class)] = failures.get(str(failure_class), 0) + 1
         return item.model_copy(update={
-            "event_id": requested_msg_id(item.episode_id, attempt + 1), "attempt": attempt + 1,
+            "event_id": retry_requested_id(item.episode_id, attempt + 1), "attempt": attempt + 1,
             "attempt_base": attempt, "failures": failures, "time": utcnow()})

@@ -89,6 +89,12 @@ class EnvWorkerSettings(ConsumerSettings):
     """More attempts after an ``agent`` failure (user agent code raised)."""
     retry_timeout: int = Field(0, ge=0)
     """More attempts after a ``timeout`` failure (the episode ran past ``episode_timeout_s``)."""
+    resume: bool = True
+    """An attempt after the first (a crashed worker's redelivery, a retry) resumes from the episode's last
+    recorded turn (read from the recorders) instead of starting again at turn 0. ``false``: every attempt starts at
+    turn 0, the behaviour before resume (kept for comparison: ``bench.resume``)."""
+    resume_timeout_s: float = Field(10.0, gt=0)
+    """How long a resume query waits for a recorder's answer (past it the attempt starts at turn 0)."""
     episode_timeout_s: float = Field(0.0, ge=0)
     """Deadline of one attempt of an environment's episode (reset and turns: env and inference time together);
     past it the awaited call is cancelled (an inference request is aborted in the engine) and the attempt fails

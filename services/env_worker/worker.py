@@ -17,13 +17,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from rollout_ledger.services.env_worker.attempt import AttemptDeps, AttemptOutcome
 from rollout_ledger.services.env_worker.cancellation import CancelWatch
 from rollout_ledger.services.env_worker.dead_letters import reject_work_item
-from rollout_ledger.services.env_worker.driver import AttemptOutcome, DriverDeps, EpisodeDriver
+from rollout_ledger.services.env_worker.driver import EpisodeDriver
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Lease, LeaseLost
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.services.env_worker.policy_gate import EpisodeGate
+from rollout_ledger.services.env_worker.resume import ResumeReader
 from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.routing import (
     FairSlots,
@@ -141,14 +143,15 @@ class EnvWorker:
         self._ping_s = min(settings.ack_wait_s, LEASE_TTL_S) / 3
         """In-progress pings and lease refreshes: three per ack wait and per lease TTL."""
 
-    def _deps(self) -> DriverDeps:
-        return DriverDeps(js=self.js, client=self.client, envs=self.envs, template=self.template,
+    def _deps(self) -> AttemptDeps:
+        resume = ResumeReader(self.nc, self.settings.resume_timeout_s) if self.settings.resume else None
+        return AttemptDeps(js=self.js, client=self.client, envs=self.envs, template=self.template,
                           is_cancelled=self.cancels.is_cancelled, metrics=self.metrics,
                           worker_id=self.settings.worker_id, max_model_len=self.settings.max_model_len,
                           publish_timeout_s=self.settings.publish_timeout_s, publisher=self.publisher,
                           budgets=RetryBudgets(self.settings.retry_budgets()),
                           episode_timeout_s=self.settings.episode_timeout_s, env_llm=self.env_llm,
-                          tracing=self.tracing)
+                          tracing=self.tracing, resume=resume)
 
     def _runs(self, env: str) -> bool:
         """Whether this worker has the env (a built-in, library, remote or user env, or an agent function)."""
@@ -209,7 +212,7 @@ class EnvWorker:
             await self.publisher.stop()
             await self.cancels.stop()
 
-    async def _pull(self, route: str, subs: dict[str, JetStreamContext.PullSubscription], deps: DriverDeps,
+    async def _pull(self, route: str, subs: dict[str, JetStreamContext.PullSubscription], deps: AttemptDeps,
                     shutdown: Shutdown) -> None:
         """Pull the work items of one route (or the legacy subject) while slots are free, until ``shutdown``."""
         s = self.settings
@@ -252,7 +255,7 @@ class EnvWorker:
         self.tasks.discard(task)
         self.slots.notify()
 
-    async def _handle(self, msg: Msg, deps: DriverDeps) -> None:
+    async def _handle(self, msg: Msg, deps: AttemptDeps) -> None:
         try:
             item = decode_as(msg.data, EpisodeRequested)
         except NewerContractError as exc:
@@ -281,7 +284,7 @@ class EnvWorker:
             return
         await self._run_item(msg, item, deps)
 
-    async def _run_item(self, msg: Msg, item: EpisodeRequested, deps: DriverDeps) -> None:
+    async def _run_item(self, msg: Msg, item: EpisodeRequested, deps: AttemptDeps) -> None:
         """Run the episode of a decoded work item under its lease, unless it runs already (here or elsewhere)."""
         seq = msg.metadata.sequence.stream
         running = self.running.get(item.episode_id)
@@ -362,7 +365,7 @@ class EnvWorker:
             await run.msgs[-1].nak(delay=delay_s)
         await self.leases.release(episode_id, run.revision)
 
-    async def _run_leased(self, run: _Running, item: EpisodeRequested, attempt: int, deps: DriverDeps) -> None:
+    async def _run_leased(self, run: _Running, item: EpisodeRequested, attempt: int, deps: AttemptDeps) -> None:
         if not await self.gate.admit(self._stopping):  # the worker stops while the item waited: hand it back
             await self._hand_back(run, item.episode_id)
             return
@@ -394,7 +397,7 @@ class EnvWorker:
             self.gate.finished()
             self.metrics.episodes_in_flight.dec()
 
-    async def _attempt(self, run: _Running, item: EpisodeRequested, attempt: int, deps: DriverDeps) -> AttemptOutcome:
+    async def _attempt(self, run: _Running, item: EpisodeRequested, attempt: int, deps: AttemptDeps) -> AttemptOutcome:
         """Run the attempt, in its span (a child of the trace context in the work item's headers, when tracing is on
         and it carries one), and queue the next attempt's work item when it failed with budget left."""
         with self.tracing.span("episode", parent=self.tracing.extract(run.msgs[0].headers), kind=SpanKind.CONSUMER,

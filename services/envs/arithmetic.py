@@ -6,7 +6,7 @@ import random
 from typing import Any
 
 from rollout_ledger.services.envs._parse import last_int, task_int
-from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult, TaskError
+from rollout_ledger.services.envs.base import REPLAY, Env, EnvSpec, Message, StepResult, TaskError
 
 OPS = ("+", "-", "*")
 
@@ -34,6 +34,9 @@ def make_problem(task: dict[str, Any]) -> tuple[int, int, str]:
 
 class ArithmeticEnv(Env):
     """Asks ``a op b``; reward 1.0 when the last integer of the answer is the result."""
+
+    resume = REPLAY
+    """Deterministic given the task and the actions: a resumed attempt replays the recorded ones."""
 
     def __init__(self) -> None:
         self._expected: int | None = None

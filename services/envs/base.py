@@ -56,8 +56,32 @@ class EnvContext:
     """A chat LLM on the inference workers; None where the worker offers none (unit tests)."""
 
 
+REPLAY = "replay"
+"""Resume capability: reset with the same task and the recorded actions applied again gives the recorded
+observations (a deterministic env: every observation is compared, a mismatch falls back to ``RESTART``)."""
+SNAPSHOT = "snapshot"
+"""Resume capability: ``snapshot()`` after a step returns a JSON-serialisable state, stored with the step, and
+``restore(state)`` after ``reset`` brings it back."""
+RESTART = "restart"
+"""Resume capability: the state cannot be restored (the default); an interrupted episode starts again at turn 0."""
+RESUME_MODES = (REPLAY, SNAPSHOT, RESTART)
+
+
 class Env(abc.ABC):
     """One episode of an environment. Single use: ``bind``, ``reset`` once, then ``step`` until done."""
+
+    resume: str = RESTART
+    """How an interrupted episode gets this env's state back (``REPLAY``, ``SNAPSHOT`` or ``RESTART``). Declare
+    ``REPLAY`` only when the same task and the same actions give the same observations (no clock, no unseeded
+    randomness, no side effects outside the process that a second run would repeat)."""
+
+    def snapshot(self) -> Any:
+        """The env's state after the last step, JSON-serialisable (``SNAPSHOT`` envs)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no snapshot")
+
+    async def restore(self, state: Any) -> None:
+        """Bring back a state ``snapshot`` returned, after ``reset`` with the same task (``SNAPSHOT`` envs)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no snapshot")
 
     def bind(self, context: EnvContext) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Called once before ``reset`` with the episode's ids and the worker's services."""

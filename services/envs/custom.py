@@ -13,7 +13,17 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollout_ledger.services.envs.base import Env, EnvContext, EnvSpec, Message, StepResult
+from rollout_ledger.services.envs.base import (
+    REPLAY,
+    RESTART,
+    RESUME_MODES,
+    SNAPSHOT,
+    Env,
+    EnvContext,
+    EnvSpec,
+    Message,
+    StepResult,
+)
 from rollout_ledger.services.envs.builtins import builtin_registry
 from rollout_ledger.shared.errors import EnvError
 from rollout_ledger.shared.kit.logging import get_logger
@@ -179,6 +189,7 @@ class GymEnv(Env):
     def __init__(self, cls: type, name: str) -> None:
         self.cls = cls
         self.name = name
+        self.resume = gym_resume_mode(cls)
         self.env: Any = None
         self._context: EnvContext | None = None
         self._tools: list[dict[str, Any]] | None = None
@@ -221,10 +232,29 @@ class GymEnv(Env):
     def tools(self) -> list[dict[str, Any]] | None:
         return self._tools
 
+    def snapshot(self) -> Any:
+        return self.env.snapshot()
+
+    async def restore(self, state: Any) -> None:
+        await _resolve(self.env.restore(state))
+
     async def close(self) -> None:
         close = getattr(self.env, "close", None)
         if callable(close):
             await _resolve(close())
+
+
+def gym_resume_mode(cls: type) -> str:
+    """A gymnasium-style class's resume capability: its ``resume`` attribute when it names one (``snapshot`` needs
+    ``snapshot()`` and ``restore(state)`` methods), ``replay`` when it declares itself ``deterministic = True``,
+    else ``restart``."""
+    declared = getattr(cls, "resume", None)
+    if declared in RESUME_MODES:
+        if declared == SNAPSHOT and not (callable(getattr(cls, "snapshot", None))
+                                         and callable(getattr(cls, "restore", None))):
+            return RESTART
+        return str(declared)
+    return REPLAY if getattr(cls, "deterministic", False) is True else RESTART
 
 
 def user_spec(user: UserClass) -> EnvSpec:

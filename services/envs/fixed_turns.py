@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from rollout_ledger.services.envs._parse import task_int
-from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult, TaskError
+from rollout_ledger.services.envs.base import REPLAY, Env, EnvSpec, Message, StepResult, TaskError
 
 
 class InjectedEnvFault(RuntimeError):
@@ -15,6 +15,9 @@ class InjectedEnvFault(RuntimeError):
 
 class FixedTurnsEnv(Env):
     """Task ``{"turns": T}``; optional ``"fail_at": k`` (step k raises) and ``"step_delay_s"`` (slow env)."""
+
+    resume = REPLAY
+    """Deterministic given the task and the actions: a resumed attempt replays the recorded ones."""
 
     def __init__(self) -> None:
         self._turns = 0

@@ -6,11 +6,14 @@ import random
 from typing import Any
 
 from rollout_ledger.services.envs._parse import last_int, task_int
-from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult, TaskError
+from rollout_ledger.services.envs.base import REPLAY, Env, EnvSpec, Message, StepResult, TaskError
 
 
 class GuessNumberEnv(Env):
     """Guess a hidden integer in ``[low, high]``; reward 1.0 on the hit."""
+
+    resume = REPLAY
+    """Deterministic given the task and the actions: a resumed attempt replays the recorded ones."""
 
     def __init__(self) -> None:
         self._target: int | None = None

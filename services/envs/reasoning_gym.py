@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult, TaskError
+from rollout_ledger.services.envs.base import REPLAY, Env, EnvSpec, Message, StepResult, TaskError
 from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
@@ -343,6 +343,9 @@ def _build(task: RgTask) -> Any:
 class ReasoningGymEnv(Env):
     """One episode of ``rg:<dataset>``: the library's system prompt and question, one answer, the library's
     score of the text inside its last ``<answer>`` tags."""
+
+    resume = REPLAY
+    """Deterministic given the task and the actions: a resumed attempt replays the recorded ones."""
 
     def __init__(self, dataset: str, library: RgLibrary) -> None:
         self.dataset = dataset

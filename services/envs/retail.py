@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_ledger.services.envs._parse import task_int
-from rollout_ledger.services.envs.base import Env, EnvSpec, Message, StepResult, TaskError
+from rollout_ledger.services.envs.base import REPLAY, Env, EnvSpec, Message, StepResult, TaskError
 from rollout_ledger.services.envs.tools import (
     Param,
     ToolCall,
@@ -244,6 +244,9 @@ def _request_done(store: Store, goal: Store, action: ToolCall) -> bool:
 class RetailEnv(Env):
     """Task ``{"seed": n}``; optional ``"num_requests"`` (1..3), ``"abort_on_error"`` (bool, default false)
     and ``"user_patience"`` (plain-text replies before the user gives up, default 4)."""
+
+    resume = REPLAY
+    """Deterministic given the task and the actions: a resumed attempt replays the recorded ones."""
 
     def __init__(self) -> None:
         self._task: RetailTask | None = None

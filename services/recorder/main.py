@@ -28,6 +28,7 @@ from rollout_ledger.shared.subjects import (
 
 from .consumer import AdvisoryConsumer, DeadLetterConsumer, EventConsumer
 from .metrics import RecorderMetrics
+from .resume_answers import ResumeResponder
 from .settings import RecorderSettings
 from .store import Store
 
@@ -118,6 +119,8 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
         conn = nc
         health.checks["nats"] = lambda: conn.is_connected
         health.checks["store"] = lambda: store_ok["ok"]
+        responder = ResumeResponder(store, nc)
+        await responder.start()
         health.ready = True
         log.info("recorder.ready", batch_size=settings.batch_size)
 
@@ -138,6 +141,7 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
                 if not task.done():
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await responder.stop()
         log.info("recorder.drained")
     finally:
         health.draining = True

@@ -109,6 +109,8 @@ STEPS: CopyTable[StepCompleted] = CopyTable("steps", (
     ("drift", "varchar", "drift"),
     ("new_segment", "bool", "new_segment"),
     ("produced_at", "timestamptz", lambda e: _utc(e.time)),
+    ("reused_from", "varchar", "reused_from"),
+    ("env_state", "jsonb", "env_state"),
 ))
 
 
@@ -345,6 +347,14 @@ class Tx:
                 "WHERE id = %s AND status = ANY(%s) AND attempt <= %s",
                 params,
             )
+            resumes = [(e.episode_id, e.attempt, e.batch_id, str(e.resume.mode), e.resume.from_attempt,
+                        e.resume.turns_recorded, e.resume.turns_reused, e.resume.turns_unstepped,
+                        _pg_text(e.resume.reason)[:2000], e.time) for e in events if e.resume is not None]
+            if resumes:
+                await cur.executemany(
+                    "INSERT INTO attempt_resumes (episode_id, attempt, batch_id, mode, from_attempt, turns_recorded, "
+                    "turns_reused, turns_unstepped, reason, produced_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, "
+                    "%s) ON CONFLICT (episode_id, attempt) DO NOTHING", resumes)
 
     @staticmethod
     async def _copy(cur: psycopg.AsyncCursor[Any], table: CopyTable[Any], into: str,
@@ -503,7 +513,8 @@ class Tx:
 
         With a trajectory: kept = the trajectory attempt's steps of turns < num_turns and the turns they name.
         Without one: rows of attempts other than the episode's latest are superseded (older ones always, newer
-        ones once the episode is terminal: an attempt the lifecycle did not let start).
+        ones once the episode is terminal: an attempt the lifecycle did not let start), except the turns the
+        latest attempt's steps name (turns a resumed attempt carried over).
         """
         if not episode_ids:
             return
@@ -525,7 +536,9 @@ class Tx:
                 " SELECT t2.event_id, CASE WHEN tr.episode_id IS NOT NULL"
                 "   THEN NOT EXISTS (SELECT 1 FROM steps k WHERE k.episode_id = t2.episode_id"
                 "     AND k.turn_event_id = t2.event_id AND k.attempt = tr.attempt AND k.turn_index < tr.num_turns)"
-                "   ELSE (t2.attempt < e.attempt OR (e.status = ANY(%(terminal)s) AND t2.attempt > e.attempt)) END"
+                "   ELSE (t2.attempt < e.attempt OR (e.status = ANY(%(terminal)s) AND t2.attempt > e.attempt))"
+                "     AND NOT EXISTS (SELECT 1 FROM steps k WHERE k.episode_id = t2.episode_id"
+                "       AND k.turn_event_id = t2.event_id AND k.attempt = e.attempt) END"
                 "   AS want"
                 " FROM turns t2 JOIN episodes e ON e.id = t2.episode_id"
                 " LEFT JOIN trajectories tr ON tr.episode_id = t2.episode_id"

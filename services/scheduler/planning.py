@@ -11,24 +11,15 @@ import orjson
 
 from rollout_ledger.services.scheduler.schemas import BatchCreate
 from rollout_ledger.shared.events import ContextPolicy, EpisodeRequested, SamplingParams
+from rollout_ledger.shared.ids import episode_id, group_id, requested_id
+
+__all__ = ["BatchRunSpec", "PlannedEpisode", "canonical_request", "episode_id", "group_id", "json_size",
+           "new_batch_id", "plan_episodes", "request_hash", "work_item"]
 
 
 def new_batch_id() -> str:
     """A generated batch id (``uuid4().hex``)."""
     return uuid.uuid4().hex
-
-
-def group_id(batch_id: str, task_index: int) -> str:
-    return f"{batch_id}.{task_index}"
-
-
-def episode_id(batch_id: str, task_index: int, group_index: int) -> str:
-    return f"{batch_id}.{task_index}.{group_index}"
-
-
-def requested_event_id(ep_id: str) -> str:
-    """The work item's event id (and ``Nats-Msg-Id``), the same on every republish."""
-    return f"{ep_id}:requested"
 
 
 OPTIONAL_FIELDS = ("context", "max_staleness", "episodes_per_version")
@@ -81,7 +72,7 @@ class PlannedEpisode:
 
 
 def plan_episodes(batch_id: str, env: str, tasks: list[dict[str, Any]], group_size: int) -> list[PlannedEpisode]:
-    """Every (task, sample) of a batch, task-major, with ids per the project's id scheme."""
+    """Every (task, sample) of a batch, task-major, with ids per the project's id scheme (``shared/ids.py``)."""
     return [
         PlannedEpisode(
             id=episode_id(batch_id, t, g),
@@ -111,7 +102,7 @@ class BatchRunSpec:
 def work_item(ep: PlannedEpisode, spec: BatchRunSpec, produced_by: str) -> EpisodeRequested:
     """The ``EpisodeRequested`` work item of an episode (attempt 1, seq 0; the delivery count sets the attempt)."""
     return EpisodeRequested(
-        event_id=requested_event_id(ep.id),
+        event_id=requested_id(ep.id),
         episode_id=ep.id,
         batch_id=ep.batch_id,
         attempt=1,

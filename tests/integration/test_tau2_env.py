@@ -21,7 +21,8 @@ import pytest
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
+from rollout_ledger.services.env_worker.attempt import AttemptDeps
+from rollout_ledger.services.env_worker.driver import EpisodeDriver
 from rollout_ledger.services.env_worker.env_llm import ServedEnvLLM
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import build_metrics
@@ -133,7 +134,7 @@ async def run_tau2_episode(nc: bus.NATS, tok: ChatTokenizer, domain: str, task_i
     envs = EnvRegistry()
     for spec in tau2_bench.specs(EnvWorkerSettings(tau2_domains=domain)):
         envs.register(spec)
-    deps = DriverDeps(js=nc.jetstream(), client=client, envs=envs, template=TurnTemplate(tok),
+    deps = AttemptDeps(js=nc.jetstream(), client=client, envs=envs, template=TurnTemplate(tok),
                       is_cancelled=lambda _b: False, metrics=build_metrics(), worker_id="w0", max_model_len=32768,
                       env_llm=ServedEnvLLM(client, tok))
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,

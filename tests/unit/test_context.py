@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from rollout_ledger.services.env_worker.attempt import AttemptDeps
 from rollout_ledger.services.env_worker.context import turns_of, window, windowed
-from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
+from rollout_ledger.services.env_worker.driver import EpisodeDriver
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
@@ -47,7 +48,7 @@ async def test_a_window_makes_every_turn_its_own_segment(nc: bus.NATS, served: C
     tok = served
     client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5, heartbeat_timeout_s=5))
     await client.start()
-    deps = DriverDeps(js=nc.jetstream(), client=client, envs=builtin_registry(), template=TurnTemplate(tok),
+    deps = AttemptDeps(js=nc.jetstream(), client=client, envs=builtin_registry(), template=TurnTemplate(tok),
                       is_cancelled=lambda _b: False, metrics=build_metrics(), worker_id="w0")
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
                             produced_by="test", env="fixed-turns", task={"turns": 4}, group_id="b.0",

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from nats.aio.msg import Msg
 
-from rollout_ledger.services.env_worker.driver import DriverDeps, EpisodeDriver
+from rollout_ledger.services.env_worker.attempt import AttemptDeps
+from rollout_ledger.services.env_worker.driver import EpisodeDriver
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
@@ -70,7 +71,7 @@ async def run_episode(nc: bus.NATS, tok: ChatTokenizer, env: str, task: dict[str
                       sampling: SamplingParams | None = None) -> tuple[Any, list[Event]]:
     client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5, heartbeat_timeout_s=5))
     await client.start()
-    deps = DriverDeps(js=nc.jetstream(), client=client, envs=envs or builtin_registry(), template=TurnTemplate(tok),
+    deps = AttemptDeps(js=nc.jetstream(), client=client, envs=envs or builtin_registry(), template=TurnTemplate(tok),
                       is_cancelled=lambda _b: cancelled, metrics=build_metrics(), worker_id="w0")
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
                             produced_by="test", env=env, task=task, group_id="b.0", group_index=0, group_size=1,
@@ -181,7 +182,7 @@ async def test_a_step_whose_ack_was_lost_is_published_again_not_the_attempt(nc: 
     """A step published as NATS went down never gets its ack: before the terminal event it is published once more
     (same Nats-Msg-Id) instead of handing the whole attempt back to be generated again."""
     client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5, heartbeat_timeout_s=5))
-    deps = DriverDeps(js=nc.jetstream(), client=client, envs=builtin_registry(), template=TurnTemplate(served),
+    deps = AttemptDeps(js=nc.jetstream(), client=client, envs=builtin_registry(), template=TurnTemplate(served),
                       is_cancelled=lambda _b: False, metrics=build_metrics(), worker_id="w0", publish_timeout_s=0.3)
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
                             produced_by="test", env="fixed-turns", task={"turns": 1}, group_id="b.0", group_index=0,
@@ -193,7 +194,7 @@ async def test_a_step_whose_ack_was_lost_is_published_again_not_the_attempt(nc: 
                          terminated=True, truncated=False)
     lost: asyncio.Future[Any] = asyncio.get_running_loop().create_future()  # the ack that never comes
     driver._pending_acks.append((lost, step))
-    await driver._flush()
+    await driver.flush()
     js = nc.jetstream()
     stored = await js.get_msg(EVENTS_STREAM, subject=event_subject("step.completed"))
     assert decode(stored.data or b"").event_id == "b.0.0:a1:s0"

@@ -90,7 +90,12 @@ def test_inference_requests_and_replies() -> None:
     assert publishers(subjects.INFER_HEARTBEAT) == {INFERENCE_WORKER}
     assert {u for u in USERS if may_subscribe(u, subjects.INFER_ANY)} == {INFERENCE_WORKER}
     assert {u for u in USERS if may_subscribe(u, subjects.INFER_HEARTBEAT)} == {ENV_WORKER}
-    assert [u for u, p in permission_table().items() if p.allow_responses] == [INFERENCE_WORKER]
+    assert [u for u, p in permission_table().items() if p.allow_responses] == [INFERENCE_WORKER, RECORDER]
+
+
+def test_resume_queries_go_from_env_workers_to_recorders() -> None:
+    assert publishers(subjects.RESUME_SUBJECT) == {ENV_WORKER}
+    assert {u for u in USERS if may_subscribe(u, subjects.RESUME_SUBJECT)} == {RECORDER}
 
 
 def test_replies_reach_only_their_requester() -> None:
@@ -201,7 +206,7 @@ def test_local_rendering_writes_passwords_in() -> None:
     text = render_authorization({u: f"pw-{u}" for u in USERS}, extra_users={"admin": "pw-admin"})
     assert '"pw-scheduler"' in text and '{user: "admin", password: "pw-admin"}' in text
     assert "$SCHEDULER_NATS_PASSWORD" not in text
-    assert text.count("allow_responses: true") == 1
+    assert text.count("allow_responses: true") == 2  # inference workers (turns), recorders (resume queries)
 
 
 def test_services_bind_loopback_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:

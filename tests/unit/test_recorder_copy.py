@@ -87,7 +87,8 @@ def test_rows_follow_the_declared_columns() -> None:
                    "turn_event_id": s.turn_event_id, "action": "act", "observation": "obs",
                    "observation_token_ids": s.observation_token_ids, "reward": 0.5, "terminated": True,
                    "truncated": False, "info": {"k": 1}, "step_ms": 3.5, "drift": "assistant_render",
-                   "new_segment": True, "produced_at": T}  # a naive event time is taken as UTC
+                   "new_segment": True, "produced_at": T,  # a naive event time is taken as UTC
+                   "reused_from": None, "env_state": None}
     traj = Trajectory(token_ids=np.array([1, 2, 3, 4, 5], "<i4"), loss_mask=np.array([0, 1, 1, 0, 1], "<i2"),
                       logprobs=np.array([0, -0.25, -0.5, 0, -1], "<f4"), weight_versions=np.array([-1, 6, 6, -1, 8]),
                       action_ranges=[[1, 3], [4, 5]], prompt_len=1, num_tokens=5, num_sampled_tokens=3, num_turns=2,

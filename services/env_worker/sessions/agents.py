@@ -25,10 +25,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import structlog
+import numpy as np
 from nats.js import JetStreamContext
 
-from rollout_ledger.services.env_worker.driver import AttemptOutcome, DriverDeps, EpisodeDriver
+from rollout_ledger.services.env_worker.attempt import Attempt, AttemptDeps, AttemptOutcome, recorded_turn_event
+from rollout_ledger.services.env_worker.resume import Recorded, ResumeUnavailable
 from rollout_ledger.services.env_worker.sessions.agent_pool import AgentPool
 from rollout_ledger.services.env_worker.sessions.agent_run import (
     AgentLoadError,
@@ -49,20 +50,19 @@ from rollout_ledger.services.env_worker.sessions.protocol import Message
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import Delta, Transcript
-from rollout_ledger.shared.errors import TokenizationError
 from rollout_ledger.shared.events import (
-    EpisodeFinished,
     EpisodeRequested,
     FailureClass,
-    InferenceRequested,
+    ResumeInfo,
+    ResumeMode,
     SamplingParams,
-    StepCompleted,
     TrajectoryStatus,
     TurnGenerated,
     dumps,
 )
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import HttpServer
+from rollout_ledger.shared.resume import RecordedTurn
 from rollout_ledger.shared.subjects import ENVS_BUCKET, env_key
 
 log = get_logger(__name__)
@@ -73,19 +73,26 @@ AgentRunner = Callable[[AgentRun], Awaitable[RunOutcome]]
 __all__ = ["AgentEpisode", "AgentLoadError", "AgentRuntime", "AgentSpec", "agent_result", "load_agent",
            "load_agents", "parse_agents"]
 
-class AgentEpisode(EpisodeDriver):
-    """One attempt of an agent episode: the agent function against its session (single use)."""
+class AgentEpisode:
+    """One attempt of an agent episode: the agent function against its session (single use).
 
-    def __init__(self, deps: DriverDeps, item: EpisodeRequested, attempt: int, agent: AgentSpec,
+    Resume (``agent_replay``): an attempt after the first reads the recorded turns and runs the agent again; each
+    call whose context is the recorded context of that turn is answered with the recorded turn, token-exact and
+    without inference (its step names the recorded turn), until the first call that differs, which is generated
+    live, as is every call after it."""
+
+    def __init__(self, deps: AttemptDeps, item: EpisodeRequested, attempt: int, agent: AgentSpec,
                  sessions: SessionRegistry, timeout_s: float, runner: AgentRunner) -> None:
-        super().__init__(deps, item, attempt)
+        self.attempt = Attempt(deps, item, attempt)
+        self.deps = deps
+        self.item = item
         self.agent = agent
         self.sessions = sessions
         self.timeout_s = timeout_s
         self.runner = runner
         """Where the agent function runs (in this process, or in an agent process of the pool)."""
-        self._sticky: str | None = None
-        """The inference worker of the previous turn (its prefix cache is warm)."""
+        self._replay: _AgentReplay | None = None
+        self._resume = ResumeInfo(mode=ResumeMode.RESTART)
 
     # --- EpisodeSink (what the session calls) --------------------------------------------------------
     @property
@@ -104,84 +111,115 @@ class AgentEpisode(EpisodeDriver):
         return self.deps.is_cancelled(self.item.batch_id)
 
     async def publish_started(self, transcript: Transcript, messages: list[Message]) -> None:
-        self.transcript = transcript
-        await self._started(transcript, messages)
+        resume = self._resume if self.attempt.attempt > 1 else None
+        await self.attempt.publish_started(transcript, messages, resume)
 
     async def generate_turn(self, t: int, context: Any, sampling: SamplingParams, max_tokens: int) -> TurnGenerated:
-        """Turn ``t`` with the call's sampling (sticky to the previous turn's worker; ``InferenceError`` when the
-        budget is spent)."""
-        common: dict[str, Any] = {"episode_id": self.ep, "batch_id": self.item.batch_id, "attempt": self.attempt,
-                                  "seq": 2 * t + 1, "produced_by": self.deps.produced_by}
-
-        def build(try_no: int) -> InferenceRequested:
-            rid = self.request_id(t, try_no)
-            return InferenceRequested(event_id=rid, request_id=rid, turn_index=t, prompt_token_ids=context,
-                                      sampling=sampling, max_tokens=max_tokens, reply_seq=2 * t + 1, **common)
-
-        turn = await self.deps.client.generate(build, prefer=self._sticky)
-        self.turns += 1
-        self._sticky = turn.worker_id
-        return turn
+        """Turn ``t`` with the call's sampling: the recorded turn when the call repeats it, else from an inference
+        worker (sticky to the previous turn's worker; ``InferenceError`` when the budget is spent)."""
+        if self._replay is not None:
+            recorded = self._replay.answer(t, context, max_tokens)
+            if recorded is not None:
+                self.attempt.turns += 1
+                self.attempt.last_worker = recorded.worker_id
+                return recorded_turn_event(recorded, self.item, self.attempt.attempt)
+            log.info("agent.replay_ended", turn=t, reused=len(self._replay.reused))
+            self._replay.stop()
+        return await self.attempt.request_turn(t, context, sampling, max_tokens)
 
     async def publish_step(self, t: int, turn: TurnGenerated, action: str, observation: list[Message],
                            delta: Delta, *, final: bool, reward: float = 0.0, terminated: bool = False,
                            truncated: bool = False, info: dict[str, Any] | None = None) -> None:
         text = "\n".join(str(m.get("content") or "") for m in observation)
-        step = StepCompleted(
-            **self._common(f"{self.ep}:a{self.attempt}:s{t}", 2 * t + 2),
-            turn_index=t, turn_event_id=turn.event_id, action=action, observation="" if final else text,
-            observation_token_ids=delta.ids, reward=reward, terminated=terminated, truncated=truncated,
-            info=info or {}, drift=None if delta.drift is None else delta.drift.value, new_segment=delta.new_segment,
-        )
-        await self._publish_async(step)
-        self.kept = t + 1
+        reused = self._replay.reused.get(t) if self._replay is not None else None
+        await self.attempt.publish_step(t, turn.event_id, action, "" if final else text, delta, reward=reward,
+                                        terminated=terminated, truncated=truncated, info=info or {},
+                                        reused_from=reused)
 
     # --- the attempt ----------------------------------------------------------------------------------
     async def run(self) -> AttemptOutcome:
-        with structlog.contextvars.bound_contextvars(episode_id=self.ep, batch_id=self.item.batch_id,
-                                                     attempt=self.attempt, agent=self.agent.name):
+        a = self.attempt
+        with a.bind_log(agent=self.agent.name):
             if self.deps.is_cancelled(self.item.batch_id):
-                return await self._cancelled()
+                return await a.cancelled()
+            await self._prepare_replay()
             session = AgentSession(self, self.deps.template, self.sessions.model_name)
-            secret = self.sessions.open(self.ep, session)
+            secret = self.sessions.open(a.ep, session)
             run = AgentRun(agent=self.agent.name, task=copy.deepcopy(self.item.task),
-                           base_url=self.sessions.url(self.ep), api_key=secret, timeout_s=self.timeout_s)
+                           base_url=self.sessions.url(a.ep), api_key=secret, timeout_s=self.timeout_s)
             try:
                 outcome = await self.runner(run)
             finally:
-                self.sessions.close(self.ep)
+                self.sessions.close(a.ep)
                 await session.close()
-            return await self._conclude(session, outcome)
+            try:
+                return await self._conclude(session, outcome)
+            finally:
+                self._count_resume()
+
+    async def _prepare_replay(self) -> None:
+        """Read the recorded turns an attempt after the first may answer calls with."""
+        a = self.attempt
+        if a.attempt <= 1:
+            return
+        if self.deps.resume is None:
+            self._resume = ResumeInfo(mode=ResumeMode.RESTART, reason="resume is off in this worker")
+            return
+        try:
+            recorded = await self.deps.resume.read(a.ep, a.attempt)
+        except ResumeUnavailable as exc:
+            log.warning("episode.resume_unavailable", reason=str(exc))
+            self._resume = ResumeInfo(mode=ResumeMode.RESTART, reason=str(exc))
+            return
+        if recorded is None or not recorded.turns:
+            self._resume = ResumeInfo(mode=ResumeMode.RESTART, reason="no turn recorded",
+                                      from_attempt=recorded.source_attempt if recorded else 0,
+                                      turns_unstepped=recorded.unstepped_turns if recorded else 0)
+            return
+        self._replay = _AgentReplay(recorded)
+        self._resume = ResumeInfo(mode=ResumeMode.AGENT_REPLAY, from_attempt=recorded.source_attempt,
+                                  turns_recorded=len(recorded.turns), turns_unstepped=recorded.unstepped_turns)
+
+    def _count_resume(self) -> None:
+        if self.attempt.attempt <= 1:
+            return
+        info = self._resume
+        reused = len(self._replay.reused) if self._replay is not None else 0
+        regenerated = info.turns_unstepped + info.turns_recorded - reused
+        self.deps.metrics.resumed(str(info.mode), reused, regenerated)
+        log.info("episode.resumed", mode=str(info.mode), from_attempt=info.from_attempt, reused=reused,
+                 regenerated=regenerated, reason=info.reason)
 
     async def _conclude(self, session: AgentSession, outcome: RunOutcome) -> AttemptOutcome:
+        a = self.attempt
         ending = session.ending
         if outcome.end is RunEnd.TIMEOUT:
             await session.finish(0.0)
             how = f" ({outcome.message})" if outcome.message else ""
-            return await self._failed(FailureClass.TIMEOUT, f"agent {self.agent.name} ran past its {self.timeout_s:g}s "
-                                      f"deadline after {session.turns} model calls; it and its in-flight generations "
-                                      f"were cancelled{how}", retryable=True)
+            return await a.failed(FailureClass.TIMEOUT, f"agent {self.agent.name} ran past its {self.timeout_s:g}s "
+                                  f"deadline after {session.turns} model calls; it and its in-flight generations "
+                                  f"were cancelled{how}", retryable=True)
         if ending is not None and ending.status == "cancelled":
             await session.finish(0.0)
-            return await self._cancelled()
+            return await a.cancelled()
         if ending is not None and ending.failure_class is not None:
             await session.finish(0.0)
-            return await self._failed(ending.failure_class, ending.reason, retryable=ending.retryable)
+            return await a.failed(ending.failure_class, ending.reason, retryable=ending.retryable)
         if outcome.end is RunEnd.LOST:
             await session.finish(0.0)
             log.warning("agent.lost", reason=outcome.message)
-            return await self._failed(FailureClass.AGENT, f"agent {self.agent.name}: {outcome.message} (after "
-                                      f"{session.turns} model calls)", retryable=True)
+            return await a.failed(FailureClass.AGENT, f"agent {self.agent.name}: {outcome.message} (after "
+                                  f"{session.turns} model calls)", retryable=True)
         if outcome.end is RunEnd.RAISED and ending is None:
             await session.finish(0.0)
             log.warning("agent.raised", error=outcome.error)
-            return await self._failed(FailureClass.AGENT, outcome.message, retryable=True)
+            return await a.failed(FailureClass.AGENT, outcome.message, retryable=True)
         if session.turns == 0:
-            return await self._failed(FailureClass.AGENT, f"no model calls: agent {self.agent.name} returned without "
-                                      "calling the policy (its client's base_url is the session endpoint)")
+            return await a.failed(FailureClass.AGENT, f"no model calls: agent {self.agent.name} returned without "
+                                  "calling the policy (its client's base_url is the session endpoint)")
         if outcome.end is RunEnd.INVALID:
             await session.finish(0.0)
-            return await self._failed(FailureClass.AGENT, outcome.message)
+            return await a.failed(FailureClass.AGENT, outcome.message)
         result = outcome.result if outcome.end is RunEnd.RETURNED and outcome.result is not None else AgentResult(0.0)
         status, stop = TrajectoryStatus.COMPLETED, "agent_returned"
         if ending is not None:  # a call found the turn budget or the context used up
@@ -190,25 +228,49 @@ class AgentEpisode(EpisodeDriver):
         if outcome.end is RunEnd.RAISED:
             extra["agent_error"] = outcome.error
         await session.finish(result.reward, info=extra)  # the last step's info: queryable in SQL (steps.info)
-        return await self._agent_finished(status, stop, result.reward, extra)
+        a.reward = result.reward
+        return await a.finished(status, stop, extra)
 
-    async def _agent_finished(self, status: TrajectoryStatus, stop_reason: str, reward: float,
-                              extra: dict[str, Any]) -> AttemptOutcome:
-        transcript = self.transcript
-        if transcript is None:
-            raise TokenizationError("an agent episode finished before its first call")
-        self.reward = reward
-        checks = transcript.check_results()
-        info: dict[str, Any] = {"token_check": "ok" if all(checks) else "mismatch",
-                                "segment_checks": ["ok" if c else "mismatch" for c in checks], **extra}
-        if transcript.drifts:
-            info["drifts"] = [{"turn": t, "class": d.value} for t, d in transcript.drifts]
-        if info["token_check"] != "ok":
-            log.warning("episode.token_check_mismatch", turns=self.turns)
-        event = EpisodeFinished(**self._common(self._end_id, 2 * self.turns + 1), status=status, reward=reward,
-                                num_turns=self.turns, num_tokens=len(transcript), stop_reason=stop_reason,
-                                info=info)
-        return await self._terminal(event, status.value)
+
+class _AgentReplay:
+    """The recorded turns of an agent episode, each with the context it was generated from: a call with that
+    context (and room for the recorded tokens) is answered with it, until the first call that differs."""
+
+    def __init__(self, recorded: Recorded) -> None:
+        self.turns = recorded.turns
+        self.contexts = recorded_contexts(recorded)
+        self.reused: dict[int, str] = {}
+        """Turn index -> the recorded step it repeats, for the turns answered from the record."""
+        self.active = True
+
+    def answer(self, t: int, context: Any, max_tokens: int) -> RecordedTurn | None:
+        if not self.active or t >= len(self.turns) or t in self.reused:
+            return None
+        turn = self.turns[t]
+        if len(turn.token_ids) > max_tokens or not np.array_equal(np.asarray(context), self.contexts[t]):
+            return None
+        self.reused[t] = turn.step_event_id
+        return turn
+
+    def stop(self) -> None:
+        self.active = False
+
+
+def recorded_contexts(recorded: Recorded) -> list[np.ndarray]:
+    """The context each recorded turn was generated from: its segment of prompt + Σ(sampled + observation ids), as
+    the recorder assembles it (a step with ``new_segment`` starts a segment after its turn's sampled ids)."""
+    parts: list[np.ndarray] = [np.asarray(recorded.prompt_token_ids, dtype=np.int32)]
+    seq = parts[0]
+    seg_start = 0
+    contexts: list[np.ndarray] = []
+    for turn in recorded.turns:
+        contexts.append(seq[seg_start:].copy())
+        sampled_end = len(seq) + len(turn.token_ids)
+        seq = np.concatenate([seq, np.asarray(turn.token_ids, dtype=np.int32),
+                              np.asarray(turn.observation_token_ids, dtype=np.int32)])
+        if turn.new_segment:
+            seg_start = sampled_end
+    return contexts
 
 
 class AgentRuntime:
@@ -261,7 +323,7 @@ class AgentRuntime:
             return await self.pool.run(run)
         return await run_agent(self.agents[run.agent], run, self.http)
 
-    def driver(self, deps: DriverDeps, item: EpisodeRequested, attempt: int) -> AgentEpisode | None:
+    def driver(self, deps: AttemptDeps, item: EpisodeRequested, attempt: int) -> AgentEpisode | None:
         """The episode of ``item`` when its env is one of the agents, else None."""
         agent = self.agents.get(item.env)
         if agent is None:
