@@ -198,6 +198,18 @@ async def openai_agents(task: dict[str, Any], client: AsyncOpenAI) -> dict[str, 
             "info": {"tool_calls": calls, "requests": result.context_wrapper.usage.requests}}
 
 
-ALL = ("plain", "streaming", "tools", "rewrite", "raises", "silent", "sleepy", "langchain", "openai_agents")
+async def counting(task: dict[str, Any], client: AsyncOpenAI) -> float:
+    """``task["calls"]`` calls, each adding "Turn k." to the conversation; deterministic given the replies (a
+    resumed attempt's repeated calls are answered from the recorded turns)."""
+    messages: list[Any] = [{"role": "system", "content": SYSTEM}]
+    for k in range(int(task.get("calls", 4))):
+        messages.append({"role": "user", "content": f"Turn {k}."})
+        resp = await client.chat.completions.create(model="policy", messages=messages,
+                                                    max_tokens=task.get("max_tokens", 8))
+        messages.append(resp.choices[0].message)
+    return 1.0
+
+
+ALL = ("plain", "streaming", "tools", "rewrite", "raises", "silent", "sleepy", "langchain", "openai_agents", "counting")
 AGENTS_SETTING = ",".join(f"{name}=tests.agents:{name}" for name in ALL)
 """``ROLLOUT_AGENTS`` registering every agent above."""

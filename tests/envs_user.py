@@ -4,6 +4,7 @@ refused at start-up. Importable from the repository root (``tests.envs_user:Sync
 
 from __future__ import annotations
 
+import os
 import random
 import re
 from typing import Any, ClassVar
@@ -140,3 +141,47 @@ class AbstractEnv(Env):
 
 
 NOT_A_CLASS = 3
+
+
+class Countdown:
+    """``options["turns"]`` turns, each answered "k left"; declares itself deterministic (resumed by replay)."""
+
+    deterministic = True
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        self.left = int((options or {}).get("turns", 3))
+        return f"Count down from {self.left}.", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.left -= 1
+        return f"{self.left} left.", float(self.left == 0), self.left == 0, False, {}
+
+
+class PidTalker(Countdown):
+    """Declares itself deterministic but answers with its process id: a replay in another worker diverges."""
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = super().step(action)
+        return f"{obs} (pid {os.getpid()})", reward, terminated, truncated, info
+
+
+class SnapshotCounter(Countdown):
+    """Resumed by snapshot: ``snapshot()`` is the steps left, ``restore`` sets it; ``restores`` counts the calls
+    (in the step info, so a test sees that the resumed attempt restored instead of replaying)."""
+
+    resume = "snapshot"
+    deterministic = False
+
+    def __init__(self) -> None:
+        self.restored = 0
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, _ = super().step(action)
+        return obs, reward, terminated, truncated, {"restored": self.restored}
+
+    def snapshot(self) -> dict[str, int]:
+        return {"left": self.left}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.left = int(state["left"])
+        self.restored += 1
