@@ -56,11 +56,16 @@ def test_env_worker_killed_mid_episode(stack: Stack, database_url: str) -> None:
         assert retried, "the killed worker's episodes ran again as a new attempt"
         cut_mid_way = 0
         for ep in retried:
-            # earlier attempts' rows are kept for inspection but superseded, never mixed into the trajectory (an
-            # episode the victim had fetched but not yet asked a turn for has no earlier rows at all)
-            old = sql.rows("select superseded from turns where episode_id = :e and attempt < :a",
+            # earlier attempts' rows are kept for inspection; the turns the new attempt carried over (resume: its
+            # steps name them) are part of the trajectory, every other one is superseded (an episode the victim had
+            # fetched but not yet asked a turn for has no earlier rows at all)
+            old = sql.rows("select t.superseded, exists (select 1 from steps k where k.turn_event_id = t.event_id "
+                           "and k.attempt = :a) as carried from turns t where t.episode_id = :e and t.attempt < :a",
                            e=ep["id"], a=ep["attempt"])
-            assert all(r["superseded"] for r in old)
+            assert all(r["superseded"] != r["carried"] for r in old)
+            # the earlier attempt's steps are superseded: the new attempt's own steps (copies) keep the turns
+            assert all(r["superseded"] for r in sql.rows(
+                "select superseded from steps where episode_id = :e and attempt < :a", e=ep["id"], a=ep["attempt"]))
             cut_mid_way += bool(old)
             assert sql.scalar("select attempt from trajectories where episode_id = :e", e=ep["id"]) == ep["attempt"]
         # 4 turns were done and none of the episodes (6 turns each) had finished: some were cut mid-way
