@@ -93,6 +93,7 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.tracing_cost
 	$(BIN)/python -m bench.viewer_render
 	$(BIN)/python -m bench.viewer_summary
+	$(BIN)/python -m bench.resume
 
 chaos: install model  ## fault run: 2,000 episodes, kill -9 of every service twice, NATS restart, Postgres down 30 s
 	$(BIN)/python -m bench.chaos

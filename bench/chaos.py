@@ -10,6 +10,9 @@ and a Postgres stop for ``--pg-down-s``. Then it waits for every episode to be t
 - ``duplicated``: rows stored twice (a second trajectory of an episode, a second kept step of a turn);
 - ``regenerated_turns`` / ``regenerated_pct``: turns generated but in no trajectory (the work of attempts cut by a
   kill, inference tries repeated), over every turn generated;
+- ``turns_reused``: recorded turns a later attempt carried over (resume); ``recorded_turns_generated_again``:
+  recorded turns (with their step) that a later attempt generated again anyway; ``resumed``: attempts after the
+  first by how they resumed;
 - ``quiesce_s``: from the end of the last fault to the last episode terminal.
 
 Exit status 1 when anything is lost or duplicated. Usage:
@@ -97,7 +100,13 @@ class ChaosResult:
     cut_by_kills: int
     rerun: dict[str, int]
     """Episodes that ran more than one attempt (the first 50) and their last attempt."""
-    """Episodes the killed env workers were running when killed: each may run again as a new attempt."""
+    turns_reused: int
+    """Recorded turns a later attempt carried over instead of generating them again (resume)."""
+    recorded_turns_generated_again: int
+    """Turns that had been recorded with their step and were generated again by a later attempt (a restart: the
+    resume query unanswered, or a replay that diverged)."""
+    resumed: dict[str, int]
+    """Attempts after the first by how they resumed (``attempt_resumes.mode``)."""
     faults: list[str]
     fault_s: float
     quiesce_s: float
@@ -225,7 +234,18 @@ class Chaos:
             rerun = {str(r[0]): int(r[1]) for r in conn.execute(
                 text("select id, attempt from episodes where batch_id = any(:b) and attempt > 1 order by id limit 50"),
                 {"b": self.batch_ids})}
-        return {"rerun": rerun, "statuses": statuses, "duplicated": duplicated, "turns": turns,
+        reused = q(engine, f"select count(*) from steps where reused_from is not null and not superseded "
+                           f"and {in_batches}")
+        # a turn whose step was recorded, but which the trajectory's attempt neither kept nor carried over
+        t_in_batches = in_batches.replace("episode_id", "t.episode_id")
+        again = q(engine, f"select count(*) from turns t where t.superseded and {t_in_batches} "
+                          "and exists (select 1 from steps s where s.turn_event_id = t.event_id)")
+        with engine.connect() as conn:
+            resumed = {str(r[0]): int(r[1]) for r in conn.execute(
+                text("select mode, count(*) from attempt_resumes where batch_id = any(:b) group by mode"),
+                {"b": self.batch_ids})}
+        return {"rerun": rerun, "statuses": statuses, "turns_reused": reused, "recorded_again": again,
+                "resumed": resumed, "duplicated": duplicated, "turns": turns,
                 "regenerated_turns": turns - kept,
                 "regenerated_by_superseded_attempts": superseded,
                 "regenerated_within_final_attempt": turns - kept - superseded,
@@ -268,6 +288,8 @@ class Chaos:
             regenerated_by_superseded_attempts=fig["regenerated_by_superseded_attempts"],
             regenerated_within_final_attempt=fig["regenerated_within_final_attempt"],
             attempts_after_first=fig["attempts_after_first"], cut_by_kills=self.cut_by_kills, rerun=fig["rerun"],
+            turns_reused=fig["turns_reused"], recorded_turns_generated_again=fig["recorded_again"],
+            resumed=fig["resumed"],
             faults=self.faults,
             fault_s=round(faults_end - fault_t0, 1), quiesce_s=round(quiesce_s, 1),
             wall_s=round(time.monotonic() - t0, 1))

@@ -10,13 +10,17 @@ run beside it. Then, one after another on the same worker and load:
 - ``drain``: ``POST /v1/policy/versions`` (mode drain): the worker finishes the turns in flight, loads the new
   checkpoint into the running engine and serves it;
 - ``abort``: the same in mode abort (turns in flight are cut and generated again on the new weights);
+- ``keep``: the same in mode keep (turns in flight are cut, keep the ids they had sampled and continue after them on
+  the new weights: nothing sampled is thrown away);
 - ``restart``: what users do today: SIGTERM the worker and start a new one on the new checkpoint
   (``ROLLOUT_MODEL``, ``ROLLOUT_WEIGHT_VERSION``).
 
 For each: **time to serving** (from the update's start to the first reply generated with the new version) and
 **generation lost**: the tokens the steady rate (measured over the ``--steady`` seconds before) would have produced
 from the update's start to ``--settle`` seconds after time to serving, minus the tokens generated in that window.
-Target: a live update loses at most 1/5 of what a restart loses.
+Target: a live update loses at most 1/5 of what a restart loses. Each live update also reports, from the
+worker's ``rollout_swap_tokens_total``, the sampled ids it **discarded** (cut and generated again: ``abort``) and
+those it **kept** across the swap (``keep``); target (issue 25): ``keep`` discards nothing and aborts no turn.
 
 ``--workload episodes`` drives the worker with multi-turn episodes instead: an env worker (``--streams`` episodes at
 once) runs ``fixed-turns`` episodes of ``--turns`` turns from batches the scheduler keeps feeding, and the tokens
@@ -156,6 +160,16 @@ class Episodes(Observed):
                    if line.startswith(name) and line.split("{", 1)[0].split(" ", 1)[0] == name)
 
 
+def worker_metric(url: str, name: str, fate: str) -> float:
+    """A labelled counter of the inference worker (0 when it cannot be read)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith(f'{name}{{fate="{fate}"}}'))
+
+
 def copy_checkpoint(model_dir: str, out: Path) -> Path:
     """A copy of the model directory (a trainer's checkpoint of unchanged shapes)."""
     shutil.copytree(model_dir, out)
@@ -234,7 +248,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, object]]:
                 streams = [asyncio.create_task(turns_load.stream(i)) for i in range(args.streams)]
                 load = turns_load
             await asyncio.sleep(args.warmup)
-            for version, mode in ((1, "drain"), (2, "abort")):
+            for version, mode in ((1, "drain"), (2, "abort"), (3, "keep")):
                 ckpt = copy_checkpoint(model_dir, work / f"v{version}")
 
                 async def announce(v: int = version, m: str = mode, c: Path = ckpt) -> None:
@@ -243,19 +257,25 @@ async def run(args: argparse.Namespace) -> list[dict[str, object]]:
                                               json={"version": v, "checkpoint": str(c), "mode": m})
                     r.raise_for_status()
 
+                before = {fate: worker_metric(worker.url, "rollout_swap_tokens_total", fate)
+                          for fate in ("lost", "kept")}
                 results.append(await measure(load, mode, version, announce, args.steady, args.settle, 600))
+                results[-1]["tokens_discarded"] = round(
+                    worker_metric(worker.url, "rollout_swap_tokens_total", "lost") - before["lost"])
+                results[-1]["tokens_kept_across"] = round(
+                    worker_metric(worker.url, "rollout_swap_tokens_total", "kept") - before["kept"])
                 print(json.dumps(results[-1]), flush=True)
-            ckpt = copy_checkpoint(model_dir, work / "v3")
+            ckpt = copy_checkpoint(model_dir, work / "v4")
             holder: dict[str, ServiceProcess] = {"worker": worker}
 
             async def restart() -> None:
                 old = holder["worker"]
                 await asyncio.to_thread(old.stop)
                 holder["worker"] = stack.start("inference-worker", name="inf-restarted", wait=False,
-                                               ROLLOUT_MODEL=str(ckpt), ROLLOUT_WEIGHT_VERSION="3")
+                                               ROLLOUT_MODEL=str(ckpt), ROLLOUT_WEIGHT_VERSION="4")
 
-            # the restarted worker must not load the announced versions: it starts on version 3, above them
-            results.append(await measure(load, "restart", 3, restart, args.steady, args.settle, 900))
+            # the restarted worker must not load the announced versions: it starts on version 4, above them
+            results.append(await measure(load, "restart", 4, restart, args.steady, args.settle, 900))
             print(json.dumps(results[-1]), flush=True)
             load.stop.set()
             await asyncio.gather(*streams, return_exceptions=True)
@@ -283,11 +303,13 @@ def main() -> None:
     lost_restart = max(1, int(restart["tokens_lost"]))  # type: ignore[call-overload]
     episodes = args.workload == "episodes"
     print(f"{'way':<8} {'to serving s':>12} {'window s':>9} {'tok/s steady':>12} {'lost tokens':>11} "
-          f"{'lost / restart':>14} {'failed req':>10}" + (f" {'mixed ep':>8} {'env paused s':>12}" if episodes else ""))
+          f"{'lost / restart':>14} {'failed req':>10} {'discarded':>9} {'kept across':>11}"
+          + (f" {'mixed ep':>8} {'env paused s':>12}" if episodes else ""))
     for r in results:
         lost = int(r["tokens_lost"])  # type: ignore[call-overload]
         print(f"{r['way']:<8} {r['time_to_serving_s']:>12} {r['window_s']:>9} {r['steady_tokens_per_s']:>12} "
-              f"{lost:>11} {lost / lost_restart:>14.3f} {r['failed_requests']:>10}"
+              f"{lost:>11} {lost / lost_restart:>14.3f} {r['failed_requests']:>10} "
+              f"{r.get('tokens_discarded', '-'):>9} {r.get('tokens_kept_across', '-'):>11}"
               + (f" {r['mixed_episodes']:>8} {r['env_paused_s']:>12}" if episodes else ""))
     print("target: a live update loses at most 1/5 of what a restart loses", file=sys.stderr)
 

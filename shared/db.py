@@ -130,6 +130,8 @@ turns = Table(
            comment="true for a try or attempt the episode did not keep"),
     Column("produced_at", DateTime(timezone=True), nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("version_runs", JSONB, comment="[[start, version], ...] when the turn straddles a weight swap in mode "
+           "keep (from id start on, sampled by version); null: every id by weight_version (migration 0015)"),
     Index("ix_turns_episode", "episode_id", "attempt", "turn_index"),
 )
 

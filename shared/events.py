@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgpack
+import numpy as np
 import orjson
 from pydantic import (
     BaseModel,
@@ -189,6 +190,17 @@ class ResumeInfo(BaseModel):
     """Why the attempt fell back to ``restart`` (or what limited the reuse); empty when it resumed as planned."""
 
 
+def token_versions(n: int, weight_version: int, runs: list[tuple[int, int]] | None) -> np.ndarray:
+    """Per-token weight versions of a turn of ``n`` ids from its runs (``TurnGenerated.version_runs``)."""
+    out = np.full(n, weight_version, dtype=np.int32)
+    if not runs:
+        return out
+    ends = [r[0] for r in runs[1:]] + [n]
+    for (start, version), end in zip(runs, ends, strict=True):
+        out[max(0, start):max(0, min(end, n))] = version
+    return out
+
+
 class _Event(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, arbitrary_types_allowed=True)
 
@@ -316,6 +328,18 @@ class TurnGenerated(_Event):
     """Time in the engine."""
     cached_tokens: int | None = None
     """Prompt tokens served from the engine's prefix cache, when the engine reports it."""
+    version_runs: list[tuple[int, int]] | None = None
+    """Set when the turn straddles a weight swap in mode ``keep``: ``[(start, version), ...]``, from token
+    ``start`` on (up to the next run) the ids were sampled by ``version``; the first run starts at 0 and
+    ``weight_version`` is its version (the oldest: a reader that knows only ``weight_version`` over-counts the
+    turn's staleness, never under-counts it). None: every id was sampled by ``weight_version``."""
+
+    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({"version_runs"})
+    """Left off the wire while unset: a turn on one version is what it was before ``keep`` existed."""
+
+    def token_versions(self) -> np.ndarray:
+        """The weight version of each sampled id (int32, the length of ``token_ids``)."""
+        return token_versions(len(self.token_ids), self.weight_version, self.version_runs)
 
 
 class StepCompleted(_Event):

@@ -55,6 +55,7 @@ class RecordedTurn(BaseModel):
     logprobs: Floats
     finish_reason: str
     weight_version: int
+    version_runs: list[tuple[int, int]] | None = None
     worker_id: str
     prompt_len: int = Field(ge=0)
     action: str

@@ -1,5 +1,6 @@
-"""resume: an attempt after the first carries recorded turns over (steps.reused_from, steps.env_state) and says how
-it resumed (attempt_resumes)
+"""resume and keep: an attempt after the first carries recorded turns over (steps.reused_from, steps.env_state) and
+says how it resumed (attempt_resumes); a turn carried across a weight swap in mode keep has versions per run
+(turns.version_runs)
 
 Revision ID: 0015
 Revises: 0014
@@ -9,6 +10,9 @@ Create Date: 2026-11-27 01:30:00
   the recorded step it repeats; its ``turn_event_id`` names the recorded turn (no turn is generated twice).
 - ``steps.env_state`` (jsonb, nullable): a ``snapshot`` env's state after the step (what a resumed attempt
   restores).
+- ``turns.version_runs`` (jsonb, nullable): ``[[start, version], ...]`` of a turn a swap in mode ``keep``
+  carried across two weight versions; the trajectory splits the turn's action range at each run (one version per
+  action range, ``action_versions``).
 - ``attempt_resumes``: one row per attempt after the first: how it resumed (replay, snapshot, agent_replay,
   restart), from which attempt, turns recorded, carried over and in flight, and why it fell back. The recorder
   inserts, the scheduler reads; ``rollout_reader`` reads it through 0003's default privileges.
@@ -27,6 +31,10 @@ depends_on = None
 
 
 def upgrade() -> None:
+    op.add_column("turns", sa.Column(
+        "version_runs", postgresql.JSONB(), nullable=True,
+        comment="[[start, version], ...] when the turn straddles a weight swap in mode keep (from id start on, "
+                "sampled by version); null: every id by weight_version (migration 0015)"))
     op.add_column("steps", sa.Column(
         "reused_from", sa.String(256), nullable=True,
         comment="a resumed attempt carried this turn over: the recorded step it repeats (migration 0015)"))
@@ -64,3 +72,4 @@ def downgrade() -> None:
     op.drop_table("attempt_resumes")
     op.drop_column("steps", "env_state")
     op.drop_column("steps", "reused_from")
+    op.drop_column("turns", "version_runs")

@@ -124,7 +124,8 @@ def recorded_turn_event(turn: RecordedTurn, item: EpisodeRequested, attempt: int
                          batch_id=item.batch_id, attempt=attempt, seq=ids.turn_seq(turn.turn_index),
                          produced_by="recorded", turn_index=turn.turn_index, prompt_len=turn.prompt_len,
                          token_ids=turn.token_ids, logprobs=turn.logprobs, finish_reason=finish,
-                         weight_version=turn.weight_version, engine="recorded", worker_id=turn.worker_id,
+                         weight_version=turn.weight_version, version_runs=turn.version_runs, engine="recorded",
+                         worker_id=turn.worker_id,
                          queue_ms=0.0, generate_ms=0.0)
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from rollout_ledger.services.env_worker.attempt import Attempt, AttemptDeps, AttemptOutcome, jsonable
 from rollout_ledger.services.env_worker.context import uses_window, windowed
+from rollout_ledger.services.env_worker.env_llm_journal import RESET_KEY, STEP_KEY, JournaledLLM, ScriptExhausted
 from rollout_ledger.services.env_worker.resume import Recorded, ResumeUnavailable
 from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
 from rollout_ledger.services.env_worker.tokenization import Delta, Transcript
@@ -88,6 +89,9 @@ class EpisodeDriver(Attempt):
     def __init__(self, deps: AttemptDeps, item: EpisodeRequested, attempt: int) -> None:
         super().__init__(deps, item, attempt)
         self._env: Env | None = None
+        self._llm: JournaledLLM | None = None
+        """The env's own LLM, journaled (None when the worker offers none)."""
+        self._reset_replies: list[str] = []
 
     async def run(self) -> AttemptOutcome:
         with self.bind_log():
@@ -120,35 +124,50 @@ class EpisodeDriver(Attempt):
                 await self._env.close()
             self._env = None
 
-    async def _reset(self) -> tuple[Env, list[dict[str, Any]], Transcript]:
-        """Bind and reset the env; raise ``_StepFailed`` when the env refuses."""
+    async def _reset(self, recorded: Recorded | None = None) -> tuple[Env, list[dict[str, Any]], Transcript]:
+        """Bind and reset the env (its LLM answering from ``recorded``'s turn 0 when given); raise ``_StepFailed``
+        when the env refuses."""
         env = self._env
         assert env is not None
+        self._llm = JournaledLLM(self.deps.env_llm) if self.deps.env_llm is not None else None
+        if self._llm is not None and recorded is not None and recorded.turns:
+            self._llm.play(recorded.turns[0].info.get(RESET_KEY, []))
         try:
             env.bind(EnvContext(episode_id=self.ep, batch_id=self.item.batch_id, attempt=self.attempt,
-                                llm=self.deps.env_llm))
+                                llm=self._llm))
             with self.deps.tracing.span("env.reset", attributes={"rollout.env": self.item.env}):
                 messages = await env.reset(self.item.task)
-            return env, messages, Transcript(self.deps.template.with_tools(env.tools()), messages)
+            transcript = Transcript(self.deps.template.with_tools(env.tools()), messages)
+        except ScriptExhausted as exc:
+            raise _Diverged(f"reset: {exc}") from exc
         except Exception as exc:  # the env's code: any exception is an env failure
             raise _StepFailed(f"reset: {type(exc).__name__}: {exc}", retryable=_env_retryable(exc)) from exc
+        if self._llm is not None:
+            if self._llm.left():
+                raise _Diverged(f"the reset used {self._llm.left()} fewer env LLM replies than recorded")
+            self._reset_replies = self._llm.take()
+        return env, messages, transcript
 
     async def _attempt(self) -> AttemptOutcome:
         """Reset (and resume), the started event and the turns (what the deadline covers)."""
         recorded, info = await self._recorded()
+        resuming = recorded is not None and info.mode in (ResumeMode.REPLAY, ResumeMode.SNAPSHOT)
         try:
-            env, messages, transcript = await self._reset()
-            if recorded is not None and info.mode in (ResumeMode.REPLAY, ResumeMode.SNAPSHOT):
-                try:
+            try:
+                env, messages, transcript = await self._reset(recorded if resuming else None)
+                if recorded is not None and resuming:
                     await self._restore(env, transcript, recorded, info.mode)
-                except _Diverged as exc:
-                    info = ResumeInfo(mode=ResumeMode.RESTART, from_attempt=recorded.source_attempt,
-                                      turns_recorded=len(recorded.turns), reason=f"{info.mode} diverged: {exc}",
-                                      turns_unstepped=recorded.unstepped_turns)
-                    log.warning("episode.resume_diverged", mode=str(info.mode), reason=str(exc))
-                    await self._close_env()
-                    self._env = self.deps.envs.create(self.item.env)
-                    env, messages, transcript = await self._reset()
+            except _Diverged as exc:
+                assert recorded is not None
+                info = ResumeInfo(mode=ResumeMode.RESTART, from_attempt=recorded.source_attempt,
+                                  turns_recorded=len(recorded.turns), reason=f"{info.mode} diverged: {exc}",
+                                  turns_unstepped=recorded.unstepped_turns)
+                log.warning("episode.resume_diverged", reason=info.reason)
+                await self._close_env()
+                self._env = self.deps.envs.create(self.item.env)
+                env, messages, transcript = await self._reset()
+            if self._llm is not None:
+                self._llm.live()
         except _StepFailed as exc:
             return await self.failed(FailureClass.ENV, exc.reason, retryable=exc.retryable)
         if info.mode in (ResumeMode.REPLAY, ResumeMode.SNAPSHOT) and recorded is not None:
@@ -221,11 +240,15 @@ class EpisodeDriver(Attempt):
                 self._rebuild(transcript, turn, (turn.env_state or {}).get("observation") or [])
             return
         for turn in recorded.turns:
+            if self._llm is not None:
+                self._llm.play(turn.info.get(STEP_KEY, []))
             try:
                 played = await self._play(env, transcript, turn.turn_index, turn.token_ids)
             except _StepFailed as exc:
                 raise _Diverged(f"turn {turn.turn_index}: {exc.reason}") from exc
             _compare(turn, played)
+            if self._llm is not None and self._llm.left():
+                raise _Diverged(f"turn {turn.turn_index}: the env used fewer LLM replies than recorded")
 
     def _rebuild(self, transcript: Transcript, turn: RecordedTurn, observation: list[dict[str, Any]]) -> None:
         """Append a recorded turn to the transcript without the env (``snapshot``): the observation messages come
@@ -296,6 +319,12 @@ class EpisodeDriver(Attempt):
                 return await self.failed(FailureClass.ENV, exc.reason, retryable=exc.retryable)
             self.reward += played.reward
             result = played.result
+            if self._llm is not None:  # the env LLM's replies of this step (and of the reset), for a replay
+                replies = self._llm.take()
+                if replies:
+                    played.info[STEP_KEY] = replies
+                if t == 0 and self._reset_replies:
+                    played.info[RESET_KEY] = self._reset_replies
             state = None
             if env.resume == SNAPSHOT and not played.final:
                 try:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from rollout_ledger.services.envs.base import Env, EnvContext, EnvSpec, Message, StepResult, TaskError
+from rollout_ledger.services.envs.base import REPLAY, Env, EnvContext, EnvSpec, Message, StepResult, TaskError
 from rollout_ledger.services.envs.tools import ToolCallError, parse_turn
 from rollout_ledger.shared.errors import EnvError, InferenceError
 from rollout_ledger.shared.kit.logging import get_logger
@@ -241,6 +241,10 @@ class _Episode:
 
 class Tau2Env(Env):
     """Task ``{"task_id": "<tau2 task id>"}`` of the domain; the simulated user is ``EnvContext.llm``."""
+
+    resume = REPLAY
+    """τ²'s tools are deterministic given the actions, and the simulated user's replies of a replay come from the
+    recorded steps (the env worker journals ``EnvContext.llm``'s replies with each step)."""
 
     def __init__(self, domain: str, library: Tau2Library, config: Tau2Config) -> None:
         self.domain = domain

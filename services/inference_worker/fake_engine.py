@@ -46,6 +46,7 @@ import hashlib
 import json
 import re
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
@@ -266,8 +267,9 @@ class FakeEngine:
     """Deterministic fake engine with real token ids (see the module docstring for its behaviour)."""
 
     name = "fake"
-    supports_keep = False
-    """It could, but a turn carries one weight version: ``keep`` is refused until turns carry versions per token."""
+    supports_keep = True
+    """A cut generation returns the ids "sampled" so far (the share of its wait that passed), so ``keep`` can
+    continue it."""
 
     def __init__(
         self,
@@ -346,9 +348,16 @@ class FakeEngine:
         wait_s = self.delay_s + (ids.shape[0] / self.tokens_per_s if self.tokens_per_s > 0 else 0.0)
         if self.delay_jitter_s > 0:
             wait_s += self.delay_jitter_s * jitter_fraction(request_id)
+        began = time.monotonic()
         if wait_s > 0 and await self._wait(request_id, wait_s):
-            empty = np.zeros(0, dtype=np.int32)
-            return Generation(empty, np.zeros(0, dtype=np.float32), FinishReason.ABORT)
+            # cut: the ids "sampled" so far, as vLLM returns an aborted request's (the share of the wait that passed)
+            elapsed = time.monotonic() - began
+            if self.tokens_per_s > 0:
+                done = int(max(0.0, elapsed - self.delay_s) * self.tokens_per_s)
+            else:
+                done = int(ids.shape[0] * min(1.0, elapsed / wait_s))
+            done = min(done, max(0, int(ids.shape[0]) - 1))
+            return Generation(ids[:done].copy(), fake_logprobs(ids, h)[:done].copy(), FinishReason.ABORT)
         logprobs = fake_logprobs(ids, h)
         top = self._top_logprobs(ids, logprobs, sampling.logprobs) if sampling.logprobs > 0 else None
         cached = self._cached(session_key, prompt_token_ids, ids)

@@ -33,6 +33,9 @@ class InferenceMetrics:
     episode_drain_seconds: Histogram
     episode_drain_timeouts: Counter
     unrecorded: Counter
+    swap_tokens: Counter
+    """Sampled ids of generations a swap cut, by what became of them (``kept``: continued on the new weights,
+    mode keep; ``lost``: generated again from the start, mode abort or a drain past its timeout)."""
     """Requests answered without publishing their turn (``record=False`` or a non-policy pool)."""
 
     @classmethod
@@ -70,4 +73,8 @@ class InferenceMetrics:
             unrecorded=Counter(
                 "rollout_inference_unrecorded", "Requests answered without recording a turn: an environment's own "
                 "generations (a simulated user) and every request of a non-policy pool.", registry=reg),
+            swap_tokens=Counter(
+                "rollout_swap_tokens", "Ids sampled by generations a weight swap cut: kept (mode keep, continued on "
+                "the new weights) or lost (mode abort or a drain past its timeout: generated again).", ["fate"],
+                registry=reg),
         )

@@ -38,13 +38,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from rollout_ledger.services.inference_worker.engine import Engine
+from rollout_ledger.services.inference_worker.engine import Engine, Generation
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
-from rollout_ledger.services.inference_worker.weights import Weights
+from rollout_ledger.services.inference_worker.weights import Cut, Weights
 from rollout_ledger.shared.errors import InferenceError, NewerContractError, RolloutError, SchemaError
 from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
 from rollout_ledger.shared.kit.logging import get_logger
@@ -256,15 +257,18 @@ class InferenceServer:
 
     async def _generate_and_publish(self, msg: Msg, request: InferenceRequested, received: float) -> None:
         metrics = self.metrics
+        piece: Generation | None = None
+        kept = _Kept()  # what generations cut by swaps in mode keep had sampled, with their versions
+        started = time.perf_counter()
         while True:
             version = await self.weights.admit(request.request_id)  # waits while a weight swap is on
             self._active.add(request.request_id)
-            started = time.perf_counter()
-            again = False
+            if piece is None:
+                started = time.perf_counter()
             try:
-                generation = await self.engine.generate(
-                    request.request_id, request.prompt_token_ids, request.sampling, request.max_tokens,
-                    session_key=request.episode_id,
+                piece = await self.engine.generate(
+                    request.request_id, kept.prompt(request.prompt_token_ids), request.sampling,
+                    request.max_tokens - kept.count, session_key=request.episode_id,
                 )
             except RolloutError as exc:
                 metrics.outcome["engine_error"].inc()
@@ -273,17 +277,31 @@ class InferenceServer:
                 return
             finally:
                 self._active.discard(request.request_id)
-                again = self.weights.finished(request.request_id)
-            if not again:
-                break
-            metrics.regenerated.inc()  # a swap in mode abort cut it: generated again on the new weights
+                cut = self.weights.finished(request.request_id)
+            if cut is Cut.AGAIN:
+                # a swap in mode abort cut it: generated again from the start on the new weights
+                metrics.regenerated.inc()
+                metrics.swap_tokens.labels(fate="lost").inc(kept.count + int(piece.token_ids.shape[0]))
+                kept = _Kept()
+                continue
+            if cut is Cut.CONTINUE and piece.finish_reason == FinishReason.ABORT:
+                # mode keep: its ids stay, with the version that sampled them; generation goes on after them
+                metrics.swap_tokens.labels(fate="kept").inc(int(piece.token_ids.shape[0]))
+                kept.add(piece, version)
+                if kept.count < request.max_tokens:
+                    continue
+                piece = Generation(np.zeros(0, np.int32), np.zeros(0, np.float32), FinishReason.LENGTH)
+            kept.add(piece, version, final=True)
+            break
         finished = time.perf_counter()
-        if generation.finish_reason == FinishReason.ABORT:
+        if piece.finish_reason == FinishReason.ABORT:
             metrics.outcome["aborted"].inc()
             await self._reply_error(msg, InferenceError.__name__, True,
                                     f"request {request.request_id} aborted by worker {self.identity.worker_id} "
                                     "(draining, or its requester cancelled it)")
             return
+        generation = kept.generation(piece)
+        version = kept.runs[0][1]
         prompt_len = int(request.prompt_token_ids.shape[0])
         event = TurnGenerated(
             event_id=request.request_id,
@@ -300,6 +318,7 @@ class InferenceServer:
             top_logprobs=generation.top_logprobs,
             finish_reason=generation.finish_reason,
             weight_version=version,
+            version_runs=kept.runs if len(kept.runs) > 1 else None,
             engine=self.engine.name,
             worker_id=self.identity.worker_id,
             queue_ms=(started - received) * 1000.0,
@@ -325,3 +344,41 @@ class InferenceServer:
             metrics.cached_tokens.inc(generation.cached_tokens)
         metrics.queue_seconds.observe(started - received)
         metrics.generate_seconds.observe(finished - started)
+
+
+class _Kept:
+    """The pieces of one turn across swaps in mode ``keep``: each piece's ids and logprobs, and the runs of versions
+    (``TurnGenerated.version_runs``)."""
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray] = []
+        self.logprobs: list[np.ndarray] = []
+        self.top: list[dict[int, float]] | None = []
+        self.runs: list[tuple[int, int]] = []
+        self.count = 0
+
+    def prompt(self, prompt: np.ndarray) -> np.ndarray:
+        """What the next piece is generated from: the prompt and every id kept so far."""
+        return np.concatenate([prompt, *self.ids]).astype(np.int32, copy=False) if self.ids else prompt
+
+    def add(self, piece: Generation, version: int, final: bool = False) -> None:
+        """One more piece, sampled by ``version`` (``final``: the last one, which ends the turn)."""
+        n = int(piece.token_ids.shape[0])
+        if (n and (not self.runs or self.runs[-1][1] != version)) or (final and not self.runs):
+            self.runs.append((self.count, version))
+        self.ids.append(piece.token_ids)
+        self.logprobs.append(piece.logprobs)
+        if self.top is not None and piece.top_logprobs is not None:
+            self.top.extend(piece.top_logprobs)
+        elif n:
+            self.top = None
+        self.count += n
+
+    def generation(self, last: Generation) -> Generation:
+        """The whole turn: every piece in order, ending as the last one ended."""
+        if len(self.ids) == 1:
+            return last
+        return Generation(np.concatenate(self.ids).astype(np.int32, copy=False),
+                          np.concatenate(self.logprobs).astype(np.float32, copy=False), last.finish_reason,
+                          self.top or None, last.cached_tokens)
+

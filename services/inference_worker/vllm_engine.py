@@ -268,9 +268,10 @@ class VllmEngine:
     """The ``Engine`` protocol on one vLLM ``AsyncLLM`` (see the module docstring)."""
 
     name = "vllm"
-    supports_keep = False
-    """vLLM can (``pause_generation(mode="keep")``), but a turn carries one weight version: ``keep`` is refused
-    until turns carry versions per token."""
+    supports_keep = True
+    """An aborted request returns the ids it had sampled: a swap in mode ``keep`` continues it from prompt + those
+    ids on the new weights (abort and re-submit, as AReaL and PipelineRL do; the kept ids are prefilled again, so
+    no KV block of the old weights is reused)."""
 
     def __init__(self, settings: InferenceSettings) -> None:
         self.settings = settings

@@ -14,8 +14,11 @@ A swap (one at a time; a newer announcement during a swap is taken after it):
 1. the gate closes: a request that arrives waits at it (it is not refused: its episode goes on after the swap);
 2. ``drain``: the generations in flight finish on the old weights (for at most ``drain_timeout_s``; the rest are
    then aborted as below). ``abort``: they are aborted now and, after the swap, generated again on the new weights
-   (the requester gets one turn, on the new version; the turns its episode kept before keep theirs). ``keep`` is
-   refused before anything stops: a turn carries one weight version, so no turn may straddle a swap;
+   (the requester gets one turn, on the new version; the turns its episode kept before keep theirs). ``keep``:
+   they are aborted now too, but each keeps the ids it had sampled, with the old version, and after the swap
+   generation continues from prompt + those ids on the new weights (``server.py``): the turn carries both
+   versions (``TurnGenerated.version_runs``) and nothing sampled is thrown away (AReaL's and PipelineRL's
+   interruptible generation). An engine that cannot return a cut generation's ids refuses ``keep``;
 3. the engine loads the checkpoint (``Engine.load_weights`` checks it first; a refusal changes nothing and the old
    version keeps serving) and drops its prefix cache;
 4. the new version serves: every generation that starts from now on carries it; the gate opens.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -53,6 +57,17 @@ class SwapRefused(WeightsRefused):
     """The swap cannot be done in the announced mode by this engine (nothing changed)."""
 
 
+class Cut(enum.Enum):
+    """What a swap did to a generation in flight (``Weights.finished``)."""
+
+    NONE = "none"
+    """Not cut: its output is the turn."""
+    AGAIN = "again"
+    """Cut in mode ``abort`` (or a drain past its timeout): generated again from the start on the new weights."""
+    CONTINUE = "continue"
+    """Cut in mode ``keep``: its ids are kept, and generation continues after them on the new weights."""
+
+
 class Weights:
     """The version an engine serves and the gate in front of it (see the module docstring)."""
 
@@ -73,8 +88,8 @@ class Weights:
         """Request id -> the version its generation started on."""
         self._idle = asyncio.Event()
         self._idle.set()
-        self._again: set[str] = set()
-        """Requests a swap aborted: generated again after it."""
+        self._cut: dict[str, Cut] = {}
+        """Requests a swap cut, and how they go on after it."""
         self._lock = asyncio.Lock()
 
     @property
@@ -89,28 +104,27 @@ class Weights:
         self._idle.clear()
         return self.serving
 
-    def finished(self, request_id: str) -> bool:
-        """The request's generation returned; True when a swap aborted it and it must be generated again."""
+    def finished(self, request_id: str) -> Cut:
+        """The request's generation returned; whether a swap cut it (and how it goes on)."""
         self._running.pop(request_id, None)
         if not self._running:
             self._idle.set()
-        if request_id in self._again:
-            self._again.discard(request_id)
-            return True
-        return False
+        return self._cut.pop(request_id, Cut.NONE)
 
     async def swap(self, version: int, checkpoint: str, mode: SwapMode) -> None:
         """Serve ``version`` from ``checkpoint``; ``WeightsRefused`` (the old version still serves) or any other
         exception (the engine may be half-loaded: it reports itself unhealthy)."""
         if mode is SwapMode.KEEP and not self.engine.supports_keep:
-            raise SwapRefused(f"mode keep: the {self.engine.name} engine cannot carry a turn across two weight "
-                              "versions (a turn has one version); announce it with mode drain or abort")
+            raise SwapRefused(f"mode keep: the {self.engine.name} engine cannot return the ids of a cut generation "
+                              "to continue it; announce it with mode drain or abort")
         async with self._lock:
             began = time.monotonic()
             self._open.clear()
             try:
                 if mode is SwapMode.ABORT:
                     await self._abort_running()
+                elif mode is SwapMode.KEEP:
+                    await self._abort_running(Cut.CONTINUE)
                 elif not await self._wait_idle(self.drain_timeout_s):
                     log.warning("weights.drain_timeout", running=len(self._running), timeout_s=self.drain_timeout_s)
                     await self._abort_running()
@@ -124,10 +138,10 @@ class Weights:
             if self.on_swap is not None:
                 self.on_swap(self.last_swap_s)
 
-    async def _abort_running(self) -> None:
+    async def _abort_running(self, how: Cut = Cut.AGAIN) -> None:
         running = list(self._running)
-        log.info("weights.abort_running", cut=len(running))
-        self._again.update(running)
+        log.info("weights.abort_running", cut=len(running), then=how.value)
+        self._cut.update((rid, how) for rid in running)
         await asyncio.gather(*(self.engine.abort(rid) for rid in running), return_exceptions=True)
 
     async def _wait_idle(self, timeout_s: float | None) -> bool:

@@ -12,7 +12,8 @@ template tokens and may be empty on the last turn. Per position:
 - ``loss_mask`` is 1 exactly on sampled ids, 0 elsewhere;
 - ``logprobs`` holds the inference engine's logprob on sampled ids, 0.0 elsewhere;
 - ``weight_versions`` holds the weight version of the turn on sampled ids, -1 elsewhere;
-- ``action_ranges`` lists ``[start, end)`` of every non-empty sampled span;
+- ``action_ranges`` lists ``[start, end)`` of every non-empty sampled span of one weight version: one per turn,
+  or one per version run of a turn that a weight swap in mode ``keep`` carried across versions;
 - ``segments`` lists ``[start, end)`` of every segment: a step with ``new_segment`` carries the whole
   re-rendered context of the next turn, and a new segment starts with it (each segment is a context the policy
   saw, trained on as its own sample). A turn's ``prompt_len`` is checked against its segment's length.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollout_ledger.shared.errors import SchemaError
+from rollout_ledger.shared.events import token_versions
 
 _IDS = np.dtype("<i4")
 _FLOATS = np.dtype("<f4")
@@ -46,6 +48,21 @@ class TurnRecord:
     token_ids: np.ndarray
     logprobs: np.ndarray
     weight_version: int
+    version_runs: tuple[tuple[int, int], ...] | None = None
+    """``(start, version)`` runs when a swap in mode ``keep`` carried the turn across versions; None: one version."""
+
+    def token_versions(self) -> np.ndarray:
+        return token_versions(len(self.token_ids), self.weight_version,
+                              None if self.version_runs is None else list(self.version_runs))
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``(start, end, version)`` of each non-empty run of the turn's ids (one run without ``version_runs``)."""
+        n = len(self.token_ids)
+        if not self.version_runs:
+            return [(0, n, self.weight_version)] if n else []
+        starts = [min(max(0, a), n) for a, _ in self.version_runs]
+        ends = [*starts[1:], n]
+        return [(a, b, v) for a, b, (_, v) in zip(starts, ends, self.version_runs, strict=True) if b > a]
 
 
 @dataclass(frozen=True)
@@ -147,12 +164,12 @@ def assemble(prompt_ids: np.ndarray, pairs: Sequence[tuple[TurnRecord, StepRecor
         if step.new_segment:
             starts.append(pos + len(ids))
         n = len(ids)
-        if n:
-            ranges.append([pos, pos + n])
+        for start, end, _ in turn.runs():  # one action range per run of one version (a keep swap makes two)
+            ranges.append([pos + start, pos + end])
         parts_ids += [ids, obs]
         parts_mask += [np.ones(n, _MASK), np.zeros(len(obs), _MASK)]
         parts_lp += [lps, np.zeros(len(obs), _FLOATS)]
-        parts_wv += [np.full(n, turn.weight_version, _IDS), np.full(len(obs), -1, _IDS)]
+        parts_wv += [turn.token_versions().astype(_IDS), np.full(len(obs), -1, _IDS)]
         pos += n + len(obs)
         sampled += n
     token_ids = np.concatenate(parts_ids)
@@ -169,7 +186,8 @@ def assemble(prompt_ids: np.ndarray, pairs: Sequence[tuple[TurnRecord, StepRecor
         num_turns=len(pairs),
         kept_turn_ids=tuple(t.event_id for t, _ in pairs),
         kept_step_ids=tuple(s.event_id for _, s in pairs),
-        distinct_weight_versions=sorted({int(t.weight_version) for t, _ in pairs}),
+        distinct_weight_versions=sorted({int(v) for t, _ in pairs for _, _, v in t.runs()}
+                                        | {int(t.weight_version) for t, _ in pairs}),
         step_rewards=[float(s.reward) for _, s in pairs],
         segments=[[a, b] for a, b in zip(starts, ends, strict=True)],
         context_mismatches=tuple(mismatches),

@@ -31,7 +31,7 @@ log = get_logger(__name__)
 _ROWS = (
     "SELECT s.turn_index, s.event_id, s.turn_event_id, s.action, s.observation, s.observation_token_ids, s.reward, "
     "s.terminated, s.truncated, s.info, s.drift, s.new_segment, s.env_state, t.token_ids, t.logprobs, "
-    "t.finish_reason, t.weight_version, t.worker_id, t.prompt_len "
+    "t.finish_reason, t.weight_version, t.worker_id, t.prompt_len, t.version_runs "
     "FROM steps s LEFT JOIN turns t ON t.event_id = s.turn_event_id AND t.episode_id = s.episode_id "
     "WHERE s.episode_id = %s AND s.attempt = %s AND s.turn_index >= %s ORDER BY s.turn_index"
 )
@@ -125,6 +125,7 @@ def _page(rows: list[Any], from_turn: int) -> tuple[list[RecordedTurn], bool]:
             observation_token_ids=obs, reward=float(r[6]), terminated=bool(r[7]), truncated=bool(r[8]),
             info=r[9] or {}, drift=r[10], new_segment=bool(r[11]), env_state=r[12], token_ids=ids,
             logprobs=np.asarray(r[14], dtype=np.float32), finish_reason=str(r[15]), weight_version=int(r[16]),
-            worker_id=str(r[17]), prompt_len=int(r[18])))
+            worker_id=str(r[17]), prompt_len=int(r[18]),
+            version_runs=[(int(a), int(b)) for a, b in r[19]] if r[19] else None))
         expected += 1
     return turns, False

@@ -69,6 +69,13 @@ class CopyTable(Generic[_T]):
         return tuple([get(obj) for get in self._get])
 
 
+def _runs(value: Any) -> tuple[tuple[int, int], ...] | None:
+    """``turns.version_runs`` as stored (jsonb) -> ((start, version), ...), or None."""
+    if not value:
+        return None
+    return tuple((int(a), int(b)) for a, b in value)
+
+
 def _utc(t: datetime) -> datetime:
     """``timestamptz`` value of an event time (a naive time is taken as UTC)."""
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
@@ -90,6 +97,7 @@ TURNS: CopyTable[TurnGenerated] = CopyTable("turns", (
     ("generate_ms", "float4", "generate_ms"),
     ("cached_tokens", "int4", "cached_tokens"),
     ("produced_at", "timestamptz", lambda e: _utc(e.time)),
+    ("version_runs", "jsonb", lambda e: None if e.version_runs is None else [list(r) for r in e.version_runs]),
 ))
 
 STEPS: CopyTable[StepCompleted] = CopyTable("steps", (
@@ -439,7 +447,8 @@ class Tx:
         async with self.pg.cursor(binary=True) as cur:
             await cur.execute(
                 "SELECT s.episode_id, s.event_id, s.turn_index, s.turn_event_id, s.observation_token_ids, s.reward, "
-                "t.event_id, t.turn_index, t.prompt_len, t.token_ids, t.logprobs, t.weight_version, s.new_segment "
+                "t.event_id, t.turn_index, t.prompt_len, t.token_ids, t.logprobs, t.weight_version, s.new_segment, "
+                "t.version_runs "
                 "FROM unnest(%s::text[], %s::int4[], %s::int4[]) AS q(eid, att, n) "
                 "JOIN steps s ON s.episode_id = q.eid AND s.attempt = q.att AND s.turn_index < q.n "
                 "LEFT JOIN turns t ON t.event_id = s.turn_event_id AND t.episode_id = s.episode_id "
@@ -450,7 +459,8 @@ class Tx:
             steps, turns = out[r[0]]
             steps.append(StepRecord(r[1], int(r[2]), r[3], r[4], float(r[5]), new_segment=bool(r[12])))
             if r[6] is not None:
-                turns[r[6]] = TurnRecord(r[6], int(r[7]), int(r[8]), r[9], r[10], int(r[11]))
+                turns[r[6]] = TurnRecord(r[6], int(r[7]), int(r[8]), r[9], r[10], int(r[11]),
+                                         version_runs=_runs(r[13]))
         return out
 
     async def upsert_trajectories(self, writes: Sequence[TrajectoryWrite]) -> int:

@@ -8,7 +8,9 @@ logit changes, no shape does) are pushed in each mode:
   start on the new version; no episode spans two versions;
 - ``abort``: the turns in flight are cut and generated again on the new weights: episodes that span both versions
   exist, each turn recorded with the version that generated it (never going backwards within an episode);
-- ``keep``: refused by the vLLM engine with the reason on the worker's report; the old version keeps serving;
+- ``keep``: the turns in flight are cut and continued on the new weights: they keep the ids the old version sampled
+  (their logprobs are transformers' under the old weights) and the rest is sampled by the new one (transformers'
+  under the new weights); nothing is generated twice and no episode is aborted;
 - a checkpoint of another architecture (``vocab_size`` changed) is refused; the old version keeps serving;
 - an inference worker SIGKILLed (with its process group: the engine core dies with it) while it loads a version
   comes back, a new process, serving that version, and the batch completes;
@@ -206,11 +208,13 @@ def _check_versions(run: Run, batch_id: str) -> dict[int, int]:
     counts: dict[int, int] = {}
     apart: dict[int, float] = {}
     for tr in trajs:
-        kept = [r["weight_version"] for r in run.sql.rows(
-            "select t.weight_version from steps s join turns t on t.event_id = s.turn_event_id "
-            "where s.episode_id = :e and s.attempt = :a and not s.superseded order by s.turn_index",
-            e=tr["episode_id"], a=tr["attempt"])]
-        assert kept == list(tr["action_versions"]), "each action range carries its turn's version"
+        kept = []  # the version of each run of each kept turn (one run per turn unless a keep swap cut it)
+        for r in run.sql.rows(
+                "select t.weight_version, t.version_runs from steps s join turns t on t.event_id = s.turn_event_id "
+                "where s.episode_id = :e and s.attempt = :a and not s.superseded order by s.turn_index",
+                e=tr["episode_id"], a=tr["attempt"]):
+            kept += [v for _, v in r["version_runs"]] if r["version_runs"] else [r["weight_version"]]
+        assert kept == list(tr["action_versions"]), "each action range carries its run's version"
         assert kept == sorted(kept), f"versions go backwards within episode {tr['episode_id']}: {kept}"
         ids = np.asarray(tr["token_ids"], dtype=np.int64)
         segments = [list(s) for s in tr["segments"]]
@@ -280,14 +284,34 @@ def test_abort_cuts_turns_in_flight_and_generates_them_again_on_the_new_version(
     assert all((s["min_version"], s["max_version"], s["version_span"]) == (1, 2, 1) for s in mixed)
 
 
-def test_keep_and_a_checkpoint_of_another_architecture_are_refused_while_the_old_version_serves(
-        run: Run) -> None:
-    v3 = perturbed(run.model_dir, run.root / "v3", 1.1)
-    batch = run.submit([{"turns": 2}] * 2, max_turns=2)
-    wait_for(lambda: run.turns(batch) >= 1, 120, "turns on version 2")
+def test_keep_continues_the_turns_in_flight_on_the_new_version(run: Run) -> None:
+    regenerated = metric(run.inf.url, "rollout_inference_regenerated_total")
+    v3 = run.checkpoint(3, 1.1)
+    batch = run.submit([{"turns": 2}] * 4, max_turns=2, sampling={"temperature": 1.0, "max_tokens": 64})
+    wait_for(lambda: run.turns(batch) >= 2, 120, "turns on version 2")
+    wait_for(lambda: metric(run.inf.url, "rollout_inference_inflight") > 0, 60, "generations in flight")
     run.push(3, v3, "keep")
-    refused = run.until_state(3, "failed")
-    assert refused["serving"] == 2 and "mode keep" in refused["error"], refused
+    run.until_state(3, "serving")
+    run.served.append(3)
+    run.wait_done(batch)  # every episode completed: none aborted by the update
+    assert check_token_exact(run.sql, batch) == 8
+    assert metric(run.inf.url, "rollout_inference_regenerated_total") == regenerated, "nothing generated twice"
+    assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"}) == 0
+    straddled = run.sql.rows("select t.version_runs, cardinality(t.token_ids) as n from turns t join episodes e "
+                             "on e.id = t.episode_id where e.batch_id = :b and t.version_runs is not null", b=batch)
+    assert straddled, "turns in flight at the swap span versions 2 and 3"
+    for t in straddled:
+        (a, v_old), (b, v_new) = t["version_runs"]
+        assert (a, v_old, v_new) == (0, 2, 3) and 0 < b < t["n"], t
+    # per run: the ids before the swap carry version 2's logprobs, those after it version 3's (check_versions
+    # recomputes every action range under its own version, and checks that 3's differ from 2's)
+    counts = check_versions(run, batch)
+    assert set(counts) == {2, 3}, counts
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_while_the_old_version_serves(run: Run) -> None:
+    batch = run.submit([{"turns": 2}] * 2, max_turns=2)
+    wait_for(lambda: run.turns(batch) >= 1, 120, "turns on version 3")
     bad = run.root / "v4"
     bad.mkdir()
     for path in Path(run.model_dir).iterdir():
@@ -298,17 +322,17 @@ def test_keep_and_a_checkpoint_of_another_architecture_are_refused_while_the_old
     (bad / "config.json").write_text(json.dumps(config))
     run.push(4, bad, "drain")
     refused = run.until_state(4, "failed")
-    assert refused["serving"] == 2 and "vocab_size" in refused["error"], refused
-    assert run.inf.alive and metric(run.inf.url, "rollout_weight_version") == 2
+    assert refused["serving"] == 3 and "vocab_size" in refused["error"], refused
+    assert run.inf.alive and metric(run.inf.url, "rollout_weight_version") == 3
     run.wait_done(batch)
     assert check_token_exact(run.sql, batch) == 4
-    assert check_versions(run, batch) == {2: 8}, "every turn on version 2: neither refused version served"
+    assert check_versions(run, batch) == {3: 8}, "every turn on version 3: the refused version never served"
 
 
 def test_a_worker_killed_while_loading_comes_back_serving_the_version(run: Run) -> None:
     v5 = run.checkpoint(5, 1.25)
     batch = run.submit([{"turns": 2}] * 2, max_turns=2, sampling={"temperature": 1.0, "max_tokens": 16})
-    wait_for(lambda: run.turns(batch) >= 1, 120, "turns on version 2")
+    wait_for(lambda: run.turns(batch) >= 1, 120, "turns on version 3")
     killed = run.inf
     loads = len(LOAD_BEGINS.findall(killed.log_path.read_text(errors="replace")))
     run.push(5, v5, "abort")  # abort: the load begins at once
@@ -322,7 +346,7 @@ def test_a_worker_killed_while_loading_comes_back_serving_the_version(run: Run) 
         "/v5")], "killed during the load (before vLLM had loaded version 5)"
     left = [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert left == [], f"the engine core died with its worker: {left}"
-    assert run.until_state(5, "loading", timeout_s=5)["serving"] == 2, "its last report: loading 5, serving 2"
+    assert run.until_state(5, "loading", timeout_s=5)["serving"] == 3, "its last report: loading 5, serving 3"
     again = run.start_worker()  # a new process under the same worker id: loads the announced version at start
     assert again is not killed and again.proc is not None and killed.proc is not None
     assert again.proc.pid != killed.proc.pid
@@ -332,7 +356,7 @@ def test_a_worker_killed_while_loading_comes_back_serving_the_version(run: Run) 
     run.wait_done(batch)
     assert check_token_exact(run.sql, batch) == 4
     counts = check_versions(run, batch)
-    assert counts.get(5, 0) > 0 and set(counts) <= {2, 5}, counts
+    assert counts.get(5, 0) > 0 and set(counts) <= {3, 5}, counts
 
 
 def test_admission_holds_a_bounded_batch_until_the_worker_serves_the_pushed_version(run: Run) -> None:

@@ -156,3 +156,52 @@ def test_versions_swap_live_while_a_batch_runs(stack: Stack, database_url: str, 
         assert _worker(url, "inf-b") is None, "the stopped worker's report is gone at once"
     finally:
         sql.close()
+
+
+def test_keep_carries_the_turns_in_flight_across_the_swap(stack: Stack, database_url: str, model_dir: str,
+                                                         tmp_path: Path) -> None:
+    # 1-1.5 s a turn: a keep swap cuts generations mid-way; what they sampled stays, the rest comes from version 1
+    inf = stack.start("inference-worker", name="inf-k", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="1.0",
+                      ROLLOUT_FAKE_DELAY_JITTER_S="0.5", ROLLOUT_FAKE_LOAD_S="0.2", ROLLOUT_POLICY_REPORT_S="1")
+    stack.start("env-worker", ROLLOUT_POLICY_REPORT_S="1")
+    stack.start("recorder")
+    url = stack.start("scheduler").url
+    assert _until_state(url, "inf-k", 0, "serving", timeout_s=10)["serving"] == 0
+    episodes, turns = 8, 4
+    r = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
+        "env": "fixed-turns", "tasks": [{"turns": turns}] * episodes, "group_size": 1, "max_turns": turns,
+        "sampling": {"max_tokens": 32}})
+    assert r.status_code == 201, r.text
+    batch_id = r.json()["batch_id"]
+    sql = Sql(database_url)
+    try:
+        wait_for(lambda: sql.scalar("select count(*) from turns") >= episodes, 60, "a turn of each episode")
+        wait_for(lambda: metric(inf.url, "rollout_inference_inflight") >= 4, 10, "generations in flight")
+        _announce(url, 1, checkpoint(model_dir, tmp_path / "v1"), "keep")
+        _until_state(url, "inf-k", 1, "serving")
+
+        def done() -> bool:
+            return bool(httpx.get(f"{url}/v1/batches/{batch_id}", headers=AUTH, timeout=10).json()["done"])
+
+        wait_for(done, 120, "the batch")
+        statuses = {r["status"] for r in sql.rows("select distinct status from episodes where batch_id = :b",
+                                                  b=batch_id)}
+        assert statuses == {"completed"}, "no episode aborted or failed by the update"
+        assert check_token_exact(sql, batch_id) == episodes  # version runs split the action ranges, checked there
+        straddled = sql.rows("select token_ids, weight_version, version_runs from turns where version_runs is not null")
+        assert straddled, "turns in flight at the swap carry both versions"
+        for t in straddled:
+            (start0, v0), (start1, v1) = t["version_runs"]
+            assert (start0, v0, v1) == (0, 0, 1) and 0 < start1 < len(t["token_ids"]), t["version_runs"]
+            assert t["weight_version"] == 0, "weight_version is the turn's oldest version"
+        # nothing generated twice: one turn row per turn, nothing regenerated, no sampled id lost
+        assert sql.scalar("select count(*) from turns") == episodes * turns
+        assert metric(inf.url, "rollout_inference_regenerated_total") == 0
+        assert metric(inf.url, "rollout_swap_tokens_total", {"fate": "lost"}) == 0
+        kept = metric(inf.url, "rollout_swap_tokens_total", {"fate": "kept"})
+        assert kept == sum(t["version_runs"][1][0] for t in straddled)
+        mixed = sql.scalar("select count(*) from trajectories where batch_id = :b and action_versions @> array[0] "
+                           "and action_versions @> array[1]", b=batch_id)
+        assert mixed > 0, "trajectories whose turns span both versions"
+    finally:
+        sql.close()

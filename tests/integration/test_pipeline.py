@@ -51,14 +51,32 @@ def check_token_exact(sql: Sql, batch_id: str) -> int:
         assert tr["attempt"] == tr["ep_attempt"]
         assert list(ids[: tr["prompt_len"]]) == list(tr["prompt_token_ids"])
         kept = sql.rows(
-            "select s.turn_index, t.token_ids, t.logprobs, t.weight_version, s.observation_token_ids "
-            "from steps s join turns t on t.event_id = s.turn_event_id "
+            "select s.turn_index, t.token_ids, t.logprobs, t.weight_version, t.version_runs, "
+            "s.observation_token_ids from steps s join turns t on t.event_id = s.turn_event_id "
             "where s.episode_id = :e and s.attempt = :a and not s.superseded order by s.turn_index",
             e=tr["episode_id"], a=tr["attempt"])
         assert len(kept) == tr["num_turns"]
         pos = tr["prompt_len"]
-        for (start, end), turn in zip(tr["action_ranges"], kept, strict=True):
-            assert start == pos and end - start == len(turn["token_ids"])
+        ranges = iter(zip(tr["action_ranges"], tr["action_versions"], strict=True))
+        wvs = np.array(tr["weight_versions"])
+        for turn in kept:
+            # one action range per run of one weight version (a turn a keep swap carried across versions has two)
+            runs = turn["version_runs"] or ([[0, turn["weight_version"]]] if len(turn["token_ids"]) else [])
+            start = end = pos
+            for k, (run_start, version) in enumerate(runs):
+                run_end = runs[k + 1][0] if k + 1 < len(runs) else len(turn["token_ids"])
+                if run_end <= run_start:
+                    continue
+                (a, b), range_version = next(ranges)
+                assert (a, b) == (pos + run_start, pos + run_end) and range_version == version
+                assert (wvs[a:b] == version).all()
+                end = b
+            if len(turn["token_ids"]) == 0:
+                continue_at = pos + len(turn["observation_token_ids"])
+                assert not mask[pos:continue_at].any()
+                pos = continue_at
+                continue
+            assert end - start == len(turn["token_ids"])
             assert list(ids[start:end]) == list(turn["token_ids"])  # the engine's ids, verbatim
             assert np.array_equal(lps[start:end], np.array(turn["logprobs"], dtype=np.float32))
             assert mask[start:end].all()
@@ -67,6 +85,7 @@ def check_token_exact(sql: Sql, batch_id: str) -> int:
             assert list(ids[end:end + len(obs)]) == list(obs)
             assert not mask[end:end + len(obs)].any()
             pos = end + len(obs)
+        assert next(ranges, None) is None
         assert pos == len(ids)
         assert int(mask.sum()) == tr["num_sampled_tokens"]
     return len(trajs)

@@ -26,6 +26,7 @@ from rollout_ledger.services.env_worker.driver import EpisodeDriver
 from rollout_ledger.services.env_worker.env_llm import ServedEnvLLM
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import build_metrics
+from rollout_ledger.services.env_worker.resume import Recorded
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.envs import tau2_bench
@@ -35,11 +36,14 @@ from rollout_ledger.services.inference_worker.main import run
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import (
+    EpisodeFinished,
     EpisodeRequested,
+    EpisodeStarted,
     Event,
     FinishReason,
     InferenceRequested,
     SamplingParams,
+    StepCompleted,
     TurnGenerated,
     decode,
     decode_as,
@@ -48,6 +52,7 @@ from rollout_ledger.shared.events import (
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.kit.runtime import Health, Shutdown
+from rollout_ledger.shared.resume import RecordedTurn
 from rollout_ledger.shared.subjects import EVENTS_STREAM, INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_pool_subject
 from tests.helpers import until
 
@@ -127,8 +132,8 @@ def _task(domain: str, task_id: str) -> Any:
     return tau2_bench.Tau2Library().task(domain, task_id)
 
 
-async def run_tau2_episode(nc: bus.NATS, tok: ChatTokenizer, domain: str, task_id: str, max_turns: int
-                           ) -> tuple[Any, list[Event]]:
+async def run_tau2_episode(nc: bus.NATS, tok: ChatTokenizer, domain: str, task_id: str, max_turns: int,
+                           attempt: int = 1, resume: Any = None) -> tuple[Any, list[Event]]:
     client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=20, heartbeat_timeout_s=20))
     await client.start()
     envs = EnvRegistry()
@@ -136,12 +141,12 @@ async def run_tau2_episode(nc: bus.NATS, tok: ChatTokenizer, domain: str, task_i
         envs.register(spec)
     deps = AttemptDeps(js=nc.jetstream(), client=client, envs=envs, template=TurnTemplate(tok),
                       is_cancelled=lambda _b: False, metrics=build_metrics(), worker_id="w0", max_model_len=32768,
-                      env_llm=ServedEnvLLM(client, tok))
+                      env_llm=ServedEnvLLM(client, tok), resume=resume)
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
                             produced_by="test", env=f"tau2:{domain}", task={"task_id": task_id}, group_id="b.0",
                             group_index=0, group_size=1, sampling=SamplingParams(max_tokens=128), max_turns=max_turns)
     try:
-        outcome = await EpisodeDriver(deps, item, attempt=1).run()
+        outcome = await EpisodeDriver(deps, item, attempt=attempt).run()
     finally:
         await client.stop()
     js = nc.jetstream()
@@ -149,6 +154,57 @@ async def run_tau2_episode(nc: bus.NATS, tok: ChatTokenizer, domain: str, task_i
     events = [decode((await js.get_msg(EVENTS_STREAM, s)).data or b"")
               for s in range(info.state.first_seq, info.state.last_seq + 1)]
     return outcome, sorted(events, key=lambda e: e.seq)
+
+
+class RecordedReader:
+    """Stands in for the recorders' answer (``env_worker/resume.py``): the turns attempt 1 recorded, up to ``k``."""
+
+    def __init__(self, events: list[Event], k: int) -> None:
+        started = next(e for e in events if isinstance(e, EpisodeStarted))
+        turns = {e.event_id: e for e in events if isinstance(e, TurnGenerated)}
+        steps = sorted((e for e in events if isinstance(e, StepCompleted)), key=lambda e: e.turn_index)[:k]
+        self.recorded = Recorded(started.attempt, started.prompt_token_ids, [RecordedTurn(
+            turn_index=s.turn_index, turn_event_id=s.turn_event_id, step_event_id=s.event_id,
+            token_ids=turns[s.turn_event_id].token_ids, logprobs=turns[s.turn_event_id].logprobs,
+            finish_reason=str(turns[s.turn_event_id].finish_reason), weight_version=0, worker_id="scripted",
+            prompt_len=turns[s.turn_event_id].prompt_len, action=s.action, observation=s.observation,
+            observation_token_ids=s.observation_token_ids, reward=s.reward, terminated=s.terminated,
+            truncated=s.truncated, info=s.info, drift=s.drift, new_segment=s.new_segment) for s in steps], 0)
+
+    async def read(self, episode_id: str, attempt: int) -> Recorded:
+        return self.recorded
+
+
+async def test_a_resumed_attempt_replays_tau2_with_the_recorded_user(nc: bus.NATS, model_dir: str,
+                                                                     responder: ScriptedTau2Responder) -> None:
+    """Attempt 1 is cut after its tool calls; attempt 2 replays them (τ²'s database changes again, the simulated
+    user's opening comes from the record, not from a new generation) and generates only the closing turn. τ²'s
+    evaluator then scores attempt 2's database: reward 1 only if the replayed tool calls really ran again."""
+    script = await asyncio.to_thread(retail_script, "0", True)
+    responder.scripts["b.0.0"] = script
+    tok = ChatTokenizer(model_dir)
+    _, first = await run_tau2_episode(nc, tok, "retail", "0", max_turns=len(script) + 2)
+    k = len(script) - 1  # every tool call recorded; the closing turn was in flight at the "crash"
+    first_steps = [e for e in first if isinstance(e, StepCompleted)]
+    assert first_steps[0].info["env_llm_reset"] == [USER_LINES[0]], "the user's opening is journaled with turn 0"
+    js = nc.jetstream()
+    await js.purge_stream(EVENTS_STREAM)
+    responder.requests.clear()
+    responder.user_requests["b.0.0"] = 1  # attempt 1's user had answered once when it was cut
+    outcome, events = await run_tau2_episode(nc, tok, "retail", "0", max_turns=len(script) + 2, attempt=2,
+                                             resume=RecordedReader(first, k))
+    assert outcome.status == "completed"
+    started = next(e for e in events if isinstance(e, EpisodeStarted))
+    assert started.resume is not None and started.resume.mode == "replay" and started.resume.turns_reused == k
+    finished = next(e for e in events if isinstance(e, EpisodeFinished))
+    assert finished.reward == 1.0 and finished.num_turns == len(script), "tau2's evaluator: the db state matches"
+    steps = sorted((e for e in events if isinstance(e, StepCompleted)), key=lambda e: e.turn_index)
+    assert [s.reused_from for s in steps[:k]] == [e.event_id for e in first_steps[:k]]
+    assert [s.turn_event_id for s in steps[:k]] == [e.turn_event_id for e in first_steps[:k]]
+    assert steps[k].reused_from is None and ":a2:" in steps[k].turn_event_id
+    policy = [r for r in responder.requests if r.record]
+    assert [r.turn_index for r in policy] == [k], "only the turn in flight is generated again"
+    assert len([r for r in responder.requests if not r.record]) == 1, "the user is asked only after the live turn"
 
 
 @pytest.mark.parametrize("good", [True, False], ids=["known-good", "one-action-short"])

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rollout_ledger.services.scheduler.viewer.queries import bin_edges, bin_of, version_label
-from rollout_ledger.services.scheduler.viewer.routes import _audit
+from rollout_ledger.services.scheduler.viewer.routes import _audit, _resume, _turns
 from rollout_ledger.services.scheduler.viewer.tokens import (
     Origin,
     first_divergence,
@@ -125,3 +125,29 @@ def test_an_audit_is_shown_per_token_only_when_its_values_line_up_with_the_sampl
     short = _audit(_audit_row([-0.5]), num_sampled=2)
     assert short.token_logprobs is None
     assert short.token_note == "1 recomputed logprobs for 2 sampled tokens: not shown per token"
+
+
+def test_turns_own_one_action_range_per_version_run_and_say_where_they_resumed() -> None:
+    """A turn a keep swap carried across versions owns two action ranges (one per version): the viewer shows it as
+    one turn with the position where its version changes; a carried-over turn names the step it repeats."""
+    detail: dict[str, Any] = {
+        "prompt_len": 10, "num_turns": 3,
+        "action_ranges": [[10, 14], [16, 19], [19, 25], [27, 30]], "action_versions": [0, 0, 1, 1],
+        "turns": [
+            {"turn_index": 0, "attempt": 1, "weight_version": 0, "version_runs": None, "num_ids": 4},
+            {"turn_index": 1, "attempt": 2, "weight_version": 0, "version_runs": [[0, 0], [3, 1]], "num_ids": 9},
+            {"turn_index": 2, "attempt": 2, "weight_version": 1, "version_runs": None, "num_ids": 3},
+        ],
+        "steps": [
+            {"turn_index": t, "observation": "o", "reward": 0.0, "terminated": t == 2, "truncated": False,
+             "drift": None, "new_segment": False, "info": {}, "reused_from": "e:a1:s0" if t == 0 else None}
+            for t in range(3)],
+        "resume": {"mode": "replay", "from_attempt": 1, "turns_recorded": 1, "turns_unstepped": 1, "reason": ""},
+    }
+    turns = _turns(detail)
+    assert [(t.start, t.end, t.weight_version, t.version_changes) for t in turns] == [
+        (10, 14, 0, []), (16, 25, 0, [[19, 1]]), (27, 30, 1, [])]
+    assert [t.reused_from for t in turns] == ["e:a1:s0", None, None] and turns[0].attempt == 1
+    resume = _resume(detail)
+    assert resume is not None and (resume.mode, resume.turns_reused, resume.from_attempt) == ("replay", 1, 1)
+    assert _resume({**detail, "resume": None}) is None

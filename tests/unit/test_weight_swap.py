@@ -1,6 +1,7 @@
 """Weight swaps in the inference worker (issue 15, part 2), on the fake engine: which checkpoints may replace the
 served weights, and the gate: drain finishes the generations in flight on the old version, abort cuts them and
-has them generated again on the new one, keep is refused, a refused checkpoint changes nothing."""
+has them generated again on the new one, keep cuts them keeping what they sampled (refused by an engine that
+cannot), a refused checkpoint changes nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from rollout_ledger.services.inference_worker.checkpoints import WeightsRefused, check_compatible
 from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
-from rollout_ledger.services.inference_worker.weights import SwapRefused, Weights
+from rollout_ledger.services.inference_worker.weights import Cut, SwapRefused, Weights
 from rollout_ledger.shared.events import FinishReason, SamplingParams
 from rollout_ledger.shared.policy import SwapMode
 
@@ -77,8 +78,8 @@ async def _turn(engine: FakeEngine, weights: Weights, rid: str) -> tuple[int, Fi
         try:
             generation = await engine.generate(rid, PROMPT, SamplingParams(), 16, session_key=rid)
         finally:
-            again = weights.finished(rid)
-        if not again:
+            cut = weights.finished(rid)
+        if cut is not Cut.AGAIN:
             return version, generation.finish_reason, runs
 
 
@@ -117,9 +118,39 @@ async def test_abort_cuts_in_flight_turns_and_generates_them_again_on_the_new_ve
     assert results == [(4, FinishReason.STOP, 2)] * 2, "aborted once, generated again on version 4"
 
 
-async def test_keep_and_refused_checkpoints_change_nothing(model_dir: str, tmp_path: Path) -> None:
+async def test_keep_cuts_in_flight_turns_and_keeps_what_they_sampled(model_dir: str, tmp_path: Path) -> None:
+    engine = await _engine(model_dir, delay_s=2.0)
+    weights = Weights(engine, version=2)
+    prompt = PROMPT
+    partial: dict[str, object] = {}
+
+    async def turn(rid: str) -> None:
+        await weights.admit(rid)
+        try:
+            generation = await engine.generate(rid, prompt, SamplingParams(), 16, session_key="s")
+        finally:
+            partial[rid] = (weights.finished(rid), generation)
+
+    engine.delay_s, whole = 0.0, await engine.generate("whole", prompt, SamplingParams(), 16, session_key="s")
+    engine.delay_s, full = 2.0, whole.token_ids
+    in_flight = [asyncio.create_task(turn(f"keep-{i}")) for i in range(2)]
+    await asyncio.sleep(1.0)  # about half of each generation's time has passed
+    await asyncio.wait_for(weights.swap(3, str(checkpoint(model_dir, tmp_path / "v3")), SwapMode.KEEP), 3)
+    await asyncio.gather(*in_flight)
+    assert weights.serving == 3
+    for rid in ("keep-0", "keep-1"):
+        cut, generation = partial[rid]  # type: ignore[misc]
+        assert cut is Cut.CONTINUE and generation.finish_reason == FinishReason.ABORT
+        n = len(generation.token_ids)
+        assert 0 < n < len(full), "cut mid-way with the ids sampled so far"
+        assert list(generation.token_ids) == list(full[:n]), "the ids the old version sampled, verbatim"
+
+
+async def test_keep_is_refused_by_an_engine_that_cannot_continue_and_refused_checkpoints_change_nothing(
+        model_dir: str, tmp_path: Path) -> None:
     engine = await _engine(model_dir, delay_s=0.0)
     weights = Weights(engine, version=2)
+    engine.supports_keep = False  # type: ignore[misc]
     with pytest.raises(SwapRefused, match="mode keep"):
         await weights.swap(3, str(checkpoint(model_dir, tmp_path / "v3")), SwapMode.KEEP)
     with pytest.raises(WeightsRefused, match="vocab_size"):

@@ -149,6 +149,25 @@ class TurnViewPublic(BaseModel):
     drift: str | None
     new_segment: bool
     step_info: dict[str, Any] = Field(default_factory=dict)
+    version_changes: list[list[int]] = Field(default_factory=list)
+    """``[position, version]`` where the weight version changes inside the turn (a swap in mode ``keep`` carried
+    it across versions); empty for a turn of one version."""
+    reused_from: str | None = None
+    """The recorded step this turn was carried over from, when a resumed attempt kept it."""
+    attempt: int | None = None
+    """The attempt that generated the turn (an earlier one for a carried-over turn)."""
+
+
+class ResumePublic(BaseModel):
+    """How the trajectory's attempt resumed from the one before it."""
+
+    mode: str
+    from_attempt: int
+    turns_recorded: int
+    turns_unstepped: int
+    reason: str
+    turns_reused: int
+    """Turns it carried over (its steps with ``reused_from``)."""
 
 
 class SegmentViewPublic(BaseModel):
@@ -218,6 +237,8 @@ class TokenViewPublic(BaseModel):
     weight_versions: list[int]
     """Per token; -1 where not sampled."""
     turns: list[TurnViewPublic]
+    resume: ResumePublic | None = None
+    """How this attempt resumed (null: the first attempt, or a release before resume)."""
     segments: list[SegmentViewPublic]
     folds: list[FoldPublic]
     audits: list[AuditPublic]

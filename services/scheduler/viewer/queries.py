@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rollout_ledger.shared.db import (
     attempt_failures,
+    attempt_resumes,
     batches,
     episodes,
     logprob_audits,
@@ -242,14 +243,24 @@ async def episode_detail(conn: AsyncConnection, episode_id: str) -> dict[str, An
     attempt = detail["attempt"]
     detail["steps"] = [row_dict(r) for r in await conn.execute(
         select(steps.c.turn_index, steps.c.action, steps.c.observation, steps.c.reward, steps.c.terminated,
-               steps.c.truncated, steps.c.drift, steps.c.new_segment, steps.c.info, steps.c.step_ms)
+               steps.c.truncated, steps.c.drift, steps.c.new_segment, steps.c.info, steps.c.step_ms,
+               steps.c.reused_from)
         .where(steps.c.episode_id == episode_id, steps.c.attempt == attempt, steps.c.superseded.is_(False))
         .order_by(steps.c.turn_index))]
+    # the turns the kept steps name (a resumed attempt's carried-over turns belong to the attempt that made them)
+    kept = (select(steps.c.turn_event_id)
+            .where(steps.c.episode_id == episode_id, steps.c.attempt == attempt, steps.c.superseded.is_(False)))
     detail["turns"] = [row_dict(r) for r in await conn.execute(
-        select(turns.c.turn_index, turns.c.weight_version, turns.c.finish_reason, turns.c.engine,
+        select(turns.c.turn_index, turns.c.attempt, turns.c.weight_version, turns.c.version_runs,
+               func.cardinality(turns.c.token_ids).label("num_ids"), turns.c.finish_reason, turns.c.engine,
                turns.c.worker_id, turns.c.queue_ms, turns.c.generate_ms, turns.c.cached_tokens)
-        .where(turns.c.episode_id == episode_id, turns.c.attempt == attempt, turns.c.superseded.is_(False))
+        .where(turns.c.episode_id == episode_id, turns.c.event_id.in_(kept))
         .order_by(turns.c.turn_index))]
+    resume = (await conn.execute(
+        select(attempt_resumes.c.mode, attempt_resumes.c.from_attempt, attempt_resumes.c.turns_recorded,
+               attempt_resumes.c.turns_unstepped, attempt_resumes.c.reason)
+        .where(attempt_resumes.c.episode_id == episode_id, attempt_resumes.c.attempt == attempt))).first()
+    detail["resume"] = row_dict(resume) if resume is not None else None
     detail["audits"] = [row_dict(r) for r in await conn.execute(
         select(logprob_audits.c.source, logprob_audits.c.checkpoint, logprob_audits.c.engine,
                logprob_audits.c.num_tokens, logprob_audits.c.mean_abs_delta, logprob_audits.c.p99_abs_delta,

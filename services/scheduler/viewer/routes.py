@@ -23,6 +23,7 @@ from rollout_ledger.services.scheduler.viewer.models import (
     FoldPublic,
     GroupPublic,
     HistogramPublic,
+    ResumePublic,
     SegmentViewPublic,
     SiblingPublic,
     TokenViewPublic,
@@ -185,22 +186,56 @@ def _segments(detail: dict[str, Any]) -> list[SegmentViewPublic]:
 
 
 def _turns(detail: dict[str, Any]) -> list[TurnViewPublic]:
+    """The kept turns with their spans: a turn owns one action range per run of one weight version (two when a swap
+    in mode ``keep`` carried it across versions; none when it sampled no id)."""
     by_turn = {t["turn_index"]: t for t in detail["turns"]}
     steps = {s["turn_index"]: s for s in detail["steps"]}
+    ranges = [(int(a), int(b)) for a, b in detail["action_ranges"]]
     versions = list(detail["action_versions"] or ())
     out = []
-    for i, (start, end) in enumerate(detail["action_ranges"]):
+    at = 0  # the next action range
+    pos = int(detail["prompt_len"])
+    for i in range(int(detail["num_turns"])):
         turn, step = by_turn.get(i, {}), steps.get(i)
-        version = versions[i] if i < len(versions) else turn.get("weight_version")
+        n_ranges = _ranges_of(turn)
+        mine = ranges[at:at + n_ranges]
+        mine_versions = versions[at:at + n_ranges]
+        at += n_ranges
+        start, end = (mine[0][0], mine[-1][1]) if mine else (pos, pos)
+        pos = end
+        changes = [[a, int(v)] for (a, _), v in zip(mine[1:], mine_versions[1:], strict=True)]
+        version = mine_versions[0] if mine_versions else turn.get("weight_version")
         out.append(TurnViewPublic(
-            turn_index=i, start=int(start), end=int(end), weight_version=version,
+            turn_index=i, start=start, end=end, weight_version=version,
             finish_reason=turn.get("finish_reason"), engine=turn.get("engine"),
             generate_ms=turn.get("generate_ms"), cached_tokens=turn.get("cached_tokens"),
             observation=step["observation"] if step else None, reward=step["reward"] if step else None,
             terminated=step["terminated"] if step else None, truncated=step["truncated"] if step else None,
             drift=step["drift"] if step else None, new_segment=bool(step and step["new_segment"]),
-            step_info=step["info"] if step and isinstance(step["info"], dict) else {}))
+            step_info=step["info"] if step and isinstance(step["info"], dict) else {},
+            version_changes=changes, reused_from=step.get("reused_from") if step else None,
+            attempt=turn.get("attempt")))
     return out
+
+
+def _ranges_of(turn: dict[str, Any]) -> int:
+    """Action ranges a kept turn owns: one per non-empty run of one weight version (one without runs; none for a
+    turn that sampled no id; one when the turn row is not readable)."""
+    n = turn.get("num_ids")
+    if n is None:
+        return 1
+    runs = turn.get("version_runs") or []
+    if not runs:
+        return 1 if n else 0
+    ends = [r[0] for r in runs[1:]] + [n]
+    return sum(1 for (start, _), end in zip(runs, ends, strict=True) if end > start)
+
+
+def _resume(detail: dict[str, Any]) -> ResumePublic | None:
+    row = detail.get("resume")
+    if row is None:
+        return None
+    return ResumePublic(**row, turns_reused=sum(1 for s in detail["steps"] if s.get("reused_from")))
 
 
 @router.get("/episodes/{episode_id}", responses=NOT_FOUND)
@@ -231,7 +266,7 @@ async def episode_tokens(episode_id: EpisodeIdPath, state: StateDep, res: Resour
         num_sampled_tokens=int(detail["num_sampled_tokens"]), token_check=detail["token_check"], token_ids=ids,
         pieces=pieces, origins=origins, origin_names=[o.name.lower() for o in Origin], loss_mask=mask,
         logprobs=[float(x) for x in detail["logprobs"]], weight_versions=[int(v) for v in detail["weight_versions"]],
-        turns=_turns(detail), segments=_segments(detail),
+        turns=_turns(detail), resume=_resume(detail), segments=_segments(detail),
         folds=[FoldPublic(start=f.start, end=f.end, turn_index=f.turn_index, label=f.label) for f in folds],
         audits=[_audit(a, sum(mask)) for a in detail["audits"]], note=note)
 

@@ -236,10 +236,16 @@ function markers(v) {
   const before = new Map();
   const add = (i, html) => before.set(i, (before.get(i) || "") + html);
   let lastVersion = null;
+  const resumedAt = v.resume && v.resume.turns_reused > 0 ? v.resume.turns_reused : null;
   v.turns.forEach((t) => {
-    add(t.start, `<span class="mark turn" data-turn="${t.turn_index}">turn ${t.turn_index}</span>`);
+    if (resumedAt !== null && t.turn_index === resumedAt) add(t.start, `<span class="mark resume" data-resumed="${t.turn_index}">attempt ${v.attempt} resumed here (${esc(v.resume.mode)}): turns 0–${t.turn_index - 1} carried over from attempt ${v.resume.from_attempt}</span>`);
+    add(t.start, `<span class="mark turn${t.reused_from ? " reused" : ""}" data-turn="${t.turn_index}">turn ${t.turn_index}${t.reused_from ? " · carried over" : ""}</span>`);
     if (t.weight_version !== null && lastVersion !== null && t.weight_version !== lastVersion) add(t.start, `<span class="mark vchg" data-version="${t.weight_version}">v${lastVersion}→v${t.weight_version}</span>`);
     if (t.weight_version !== null) lastVersion = t.weight_version;
+    (t.version_changes || []).forEach(([at, version]) => {
+      add(at, `<span class="mark vchg inside" data-version="${version}" data-turn="${t.turn_index}">v${lastVersion}→v${version} inside turn ${t.turn_index} (keep)</span>`);
+      lastVersion = version;
+    });
     if (t.reward !== null) {
       const next = v.turns[t.turn_index + 1];
       const seg = v.segments.find((s) => s.start >= t.end && (!next || s.start <= next.start));
@@ -344,7 +350,7 @@ async function episodePage(episodeId) {
     el("h2", { text: "Turns" }),
     ...v.turns.map((t) => el("div", { class: "turn", "data-turn": t.turn_index },
       el("div", {}, el("a", { href: "#", onclick: (ev) => { ev.preventDefault(); pane.drawAt(t.start); pane.querySelector(`[data-i="${t.start}"]`)?.scrollIntoView({ block: "center" }); }, text: `turn ${t.turn_index}` }),
-        el("span", { text: ` · tokens ${t.start}–${t.end - 1} · v${fmt(t.weight_version)} · ${t.finish_reason || ""}${t.drift ? " · drift " + t.drift : ""}` })),
+        el("span", { text: ` · tokens ${t.start}–${t.end - 1} · v${fmt(t.weight_version)}${(t.version_changes || []).map(([at, ver]) => `→v${ver} at ${at}`).join("")} · ${t.finish_reason || ""}${t.drift ? " · drift " + t.drift : ""}${t.reused_from ? ` · carried over from attempt ${t.attempt}` : ""}` })),
       t.observation !== null ? el("details", {}, el("summary", { text: `observation · reward ${fmt(t.reward)}${t.terminated ? " · terminated" : ""}${t.truncated ? " · truncated" : ""}` }), el("div", { class: "obs", text: t.observation })) : null)),
     el("h2", { text: "Logprob audit" }),
     v.audits.length ? el("table", { id: "audits" }, el("thead", {}, el("tr", {}, ...["source", "tokens", "mean |Δ|", "p99 |Δ|", "max |Δ|"].map((h) => el("th", { text: h })))),
@@ -356,6 +362,7 @@ async function episodePage(episodeId) {
     el("h1", { text: `Episode ${episodeId}` }),
     el("p", { id: "summary" }, el("span", { text: `${v.env} · ${v.status}${v.failure_class ? " (" + v.failure_class + ": " + (v.failure_reason || "") + ")" : ""} · reward ${fmt(v.reward)} · ${v.num_tokens} tokens, ${v.num_sampled_tokens} sampled · ${v.turns.length} turns · ${v.segments.length} segment(s) · versions ${versions.map((x) => "v" + x).join(", ") || "none"} · token check ${v.token_check || "–"}` })),
     v.note ? el("p", { class: "note", text: v.note }) : null,
+    v.resume ? el("p", { id: "resume", class: "note", text: v.resume.mode === "restart" ? `attempt ${v.attempt} started again at turn 0${v.resume.reason ? " (" + v.resume.reason + ")" : ""}` : `attempt ${v.attempt} resumed from attempt ${v.resume.from_attempt} (${v.resume.mode}): ${v.resume.turns_reused} of ${v.resume.turns_recorded} recorded turns carried over, ${v.resume.turns_unstepped} in flight generated again${v.resume.reason ? " · " + v.resume.reason : ""}` }) : null,
     legend(pane, audited),
     el("div", { class: "layout" }, pane, side));
 }
