@@ -60,6 +60,11 @@ class Sql:
         with self.engine.connect() as conn:
             return conn.execute(text(query), params).scalar()
 
+    def execute(self, query: str, **params: Any) -> None:
+        """One statement in a transaction of its own (the database owner's login: tests writing fixtures)."""
+        with self.engine.begin() as conn:
+            conn.execute(text(query), params)
+
     def close(self) -> None:
         self.engine.dispose()
 

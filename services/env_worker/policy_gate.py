@@ -11,7 +11,8 @@ of new episodes, this worker's report in ``rl_policy_env``, and when to open the
    closed (logged: an inference worker is stuck). Live inference workers are those whose heartbeats this worker
    hears and that report in ``rl_policy_workers``; with none, nothing closes (no deadlock).
 
-``abort`` and ``keep`` pause nothing (their turns are cut or refused by the inference workers).
+``abort`` and ``keep`` pause nothing (the inference workers cut their turns in flight: generated again, or
+continued on the new weights).
 """
 
 from __future__ import annotations

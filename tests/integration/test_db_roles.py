@@ -29,7 +29,7 @@ ALLOWED_WRITES: dict[str, dict[str, set[str]]] = {
                   "trajectory_feed": {"INSERT"}},
     "recorder": {"episodes": {"UPDATE"}, "turns": {"INSERT", "UPDATE"}, "steps": {"INSERT", "UPDATE"},
                  "trajectories": {"INSERT", "UPDATE"}, "attempt_failures": {"INSERT"},
-                 "dead_letters": {"INSERT"}, "trajectory_feed": {"INSERT"}},
+                 "attempt_resumes": {"INSERT"}, "dead_letters": {"INSERT"}, "trajectory_feed": {"INSERT"}},
     "exporter": {"export_cursors": {"INSERT", "UPDATE"}},
     "feed-prune": {"export_cursors": {"INSERT", "UPDATE"}, "trajectory_feed": {"DELETE"}},
     "scorer": {"export_cursors": {"INSERT", "UPDATE"}, "reward_scores": {"INSERT", "UPDATE"},

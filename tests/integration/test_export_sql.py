@@ -27,7 +27,7 @@ def doc_queries() -> list[str]:
 
 def populate(url: str) -> None:
     """A little of everything: trajectories (one segmented), turns, steps, failures, a rescore, a cursor, policy
-    versions, an audit, a bounded batch."""
+    versions, an audit, a bounded batch, resumed attempts, a turn across a keep swap."""
     seed_batch(url, "s1", [[Traj(reward=1.0), Traj(reward=0.0, status="truncated")],
                            [Traj(reward=0.5, segments=((4, ((3, 2),)), (6, ((2, 0),))), versions=(3, 4)),
                             Traj(reward=None, status="failed", with_trajectory=False)]], env="guess-number")
@@ -45,6 +45,20 @@ def populate(url: str) -> None:
                  "observation_token_ids, reward, terminated, truncated, info, step_ms, produced_at) VALUES "
                  "(%s, %s, 1, 0, %s, 'answer 4', 'correct', '{5,6}', 1.0, true, false, '{}', 1.5, now())",
                  (f"s{i}", eid, f"t{i}"))
+    # resume: s1.0.0's attempt 2 carried turn 0 over from attempt 1 (replay); s1.1.1's attempt 2 restarted; a turn a
+    # keep swap carried across versions 3 and 4
+    run(url, "UPDATE episodes SET attempt = 2 WHERE id IN ('s1.0.0', 's1.1.1')")
+    run(url, "INSERT INTO steps (event_id, episode_id, attempt, turn_index, turn_event_id, action, observation, "
+             "observation_token_ids, reward, terminated, truncated, info, step_ms, produced_at, reused_from) VALUES "
+             "('s0:a2', 's1.0.0', 2, 0, 't0', 'answer 4', 'correct', '{5,6}', 1.0, true, false, '{}', 0, now(), 's0')")
+    run(url, "INSERT INTO attempt_resumes (episode_id, attempt, batch_id, mode, from_attempt, turns_recorded, "
+             "turns_reused, turns_unstepped, reason, produced_at) VALUES "
+             "('s1.0.0', 2, 's1', 'replay', 1, 1, 1, 1, '', now()), "
+             "('s1.1.1', 2, 's1', 'restart', 1, 1, 0, 0, 'replay diverged: turn 0: the observation differs', now())")
+    run(url, "INSERT INTO turns (event_id, episode_id, attempt, turn_index, prompt_len, token_ids, logprobs, "
+             "finish_reason, weight_version, engine, worker_id, queue_ms, generate_ms, produced_at, version_runs) "
+             "VALUES ('tk', 's1.1.0', 1, 0, 4, '{1,2,3,4}', '{-0.1,-0.2,-0.3,-0.4}', 'stop', 3, 'fake', 'w1', 0.5, "
+             "12.5, now(), '[[0, 3], [2, 4]]')")
     run(url, "INSERT INTO dead_letters (source, subject, stream_seq, reason, payload) "
              "VALUES ('recorder', 'rl.events.x', 7, 'schema: bad', '\\x00')")
     rescore(url, resolve("success"), Selection())

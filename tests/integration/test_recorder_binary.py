@@ -23,23 +23,24 @@ def _conninfo(database_url: str) -> str:
     return sync_url(database_url).replace("postgresql+psycopg://", "postgresql://")
 
 
-def _turn(i: int, ids: list[int], cached: int | None) -> TurnGenerated:
+def _turn(i: int, ids: list[int], cached: int | None, runs: list[tuple[int, int]] | None = None) -> TurnGenerated:
     return TurnGenerated(
         event_id=f"b.0.0:a1:t{i}:r1", episode_id="b.0.0", batch_id="b", attempt=1, seq=2 * i + 1,
         produced_by="inference/w", time=datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=UTC), request_id=f"r{i}",
         turn_index=i, prompt_len=10 + i, token_ids=np.array(ids, dtype="<i4"),
         logprobs=np.array([-0.5 * k - 1e-7 for k in range(len(ids))], dtype="<f4"), finish_reason=FinishReason.LENGTH,
-        weight_version=-3, engine="fake", worker_id="inf-ü", queue_ms=1.25, generate_ms=0.0, cached_tokens=cached)
+        weight_version=-3, engine="fake", worker_id="inf-ü", queue_ms=1.25, generate_ms=0.0, cached_tokens=cached,
+        version_runs=runs)
 
 
-def _step(i: int, obs: list[int]) -> StepCompleted:
+def _step(i: int, obs: list[int], reused_from: str | None = None, env_state: Any = None) -> StepCompleted:
     return StepCompleted(
         event_id=f"b.0.0:a1:s{i}", episode_id="b.0.0", batch_id="b", attempt=1, seq=2 * i + 2,
         produced_by="env/w", time=datetime(1999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC), turn_index=i,
         turn_event_id=f"b.0.0:a1:t{i}:r1", action="héllo\n\"x\"", observation="", reward=-1.5e-3,
         terminated=i == 1, truncated=False, info={"k": [1, 2.5, None], "nested": {"ok": True}, "3": "x"},
         step_ms=2.5, observation_token_ids=np.array(obs, dtype="<i4"), drift="assistant_render" if i == 0 else None,
-        new_segment=i == 0)
+        new_segment=i == 0, reused_from=reused_from, env_state=env_state)
 
 
 async def _connect(database_url: str) -> psycopg.AsyncConnection[Any]:
@@ -56,8 +57,10 @@ async def _connect(database_url: str) -> psycopg.AsyncConnection[Any]:
 
 
 async def test_copied_turns_and_steps_read_back_exactly(database_url: str) -> None:
-    turns = [_turn(0, [5, 2**31 - 1, -(2**31), 0], 7), _turn(1, [], None)]
-    steps = [_step(0, [1, 2, 3]), _step(1, [])]
+    # turn 0 straddles a keep swap (two version runs); step 0 carries a snapshot state, step 1 a turn carried over
+    turns = [_turn(0, [5, 2**31 - 1, -(2**31), 0], 7, runs=[(0, -3), (2, 5)]), _turn(1, [], None)]
+    steps = [_step(0, [1, 2, 3], env_state={"state": {"left": 3}, "observation": [{"role": "user", "content": "x"}]}),
+             _step(1, [], reused_from="b.0.0:a0:s1")]
     async with await _connect(database_url) as conn:
         tx = Tx(conn)
         await tx.insert_turns(turns)
@@ -70,13 +73,14 @@ async def test_copied_turns_and_steps_read_back_exactly(database_url: str) -> No
             await cur.execute(f"SELECT {STEPS.collist} FROM steps ORDER BY turn_index")
             got_steps = await cur.fetchall()
     for t, row in zip(turns, got_turns, strict=True):
+        runs = [list(r) for r in t.version_runs] if t.version_runs else None
         assert row[:6] + row[7:] == (t.event_id, t.episode_id, 1, t.turn_index, t.prompt_len, t.token_ids.tolist(),
-                                     "length", -3, "fake", "inf-ü", 1.25, 0.0, t.cached_tokens, t.time)
+                                     "length", -3, "fake", "inf-ü", 1.25, 0.0, t.cached_tokens, t.time, runs)
         assert np.asarray(row[6], dtype="<f4").tobytes() == t.logprobs.tobytes()
     for s, row in zip(steps, got_steps, strict=True):
         assert row == (s.event_id, s.episode_id, 1, s.turn_index, s.turn_event_id, s.action, s.observation,
                        s.observation_token_ids.tolist(), s.reward, s.terminated, s.truncated,
-                       s.info, 2.5, s.drift, s.new_segment, s.time)
+                       s.info, 2.5, s.drift, s.new_segment, s.time, s.reused_from, s.env_state)
 
 
 _ARRAYS: CopyTable[Any] = CopyTable("arrays", (

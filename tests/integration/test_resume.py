@@ -213,3 +213,70 @@ def test_an_agent_function_is_resumed_by_answering_its_repeated_calls(stack: Sta
         assert served == 2 * calls + sum(r["turns_unstepped"] for r in resumes)
     finally:
         sql.close()
+
+
+def test_tau2_mock_is_resumed_by_replay_with_the_recorded_user(stack: Stack, database_url: str) -> None:
+    """τ²'s mock domain on the fake engine (policy and simulated user): after the kill, the next attempt replays the
+    recorded turns with the user's recorded replies; the user is asked again only after live turns."""
+    inference = stack.start("inference-worker", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="0.25")
+    tau2 = {"ROLLOUT_TAU2_DOMAINS": "mock", "ROLLOUT_MAX_MODEL_LEN": "32768"}
+    victim = env_worker(stack, "env-worker-a", **tau2)
+    stack.start("recorder")
+    url = stack.start("scheduler").url
+    turns = 6
+    batch_id = post(url, env="tau2:mock", tasks=[{"task_id": "create_task_1"}, {"task_id": "update_task_1"}],
+                    group_size=1, max_turns=turns, sampling={"max_tokens": 16})
+    sql = Sql(database_url)
+    try:
+        wait_for(lambda: recorded_steps(sql, batch_id, 2) == 2, 90, "2 steps recorded for every episode")
+        unrecorded = metric(inference.url, "rollout_inference_unrecorded_total")  # the user's generations so far
+        victim.kill()
+        env_worker(stack, "env-worker-b", **tau2)
+        wait_done(url, batch_id, 120)
+        assert check_token_exact(sql, batch_id) == 2
+        resumes = sql.rows("select * from attempt_resumes where batch_id = :b", b=batch_id)
+        assert resumes and all(r["mode"] == "replay" and r["turns_reused"] >= 2 for r in resumes), resumes
+        for r in resumes:
+            kept = sql.rows("select turn_index, reused_from, info from steps where episode_id = :e and attempt = :a "
+                            "order by turn_index", e=r["episode_id"], a=r["attempt"])
+            assert all(k["reused_from"] for k in kept[: r["turns_reused"]])
+            assert kept[0]["info"].get("env_llm_reset"), "the user's opening line is journaled with turn 0"
+            generated = sql.rows("select turn_index, count(*) as n from turns where episode_id = :e "
+                                 "group by turn_index order by turn_index", e=r["episode_id"])
+            assert all(g["n"] == 1 for g in generated[: r["turns_reused"]]), generated
+        # the user's replies of the replayed steps came from the record: every user generation after the kill
+        # answers a live turn of the resumed attempts (or of an attempt that had not been cut)
+        live_steps = sql.scalar("select count(*) from steps s join episodes e on e.id = s.episode_id where "
+                                "e.batch_id = :b and s.attempt = e.attempt and s.reused_from is null "
+                                "and s.attempt > 1", b=batch_id)
+        asked = metric(inference.url, "rollout_inference_unrecorded_total") - unrecorded
+        assert asked <= live_steps, (asked, live_steps)
+    finally:
+        sql.close()
+
+
+def test_a_single_turn_rg_episode_killed_mid_turn_generates_that_turn_again(stack: Stack, database_url: str) -> None:
+    """``rg:`` envs are one turn: killed while the turn is in flight, nothing was recorded to carry over; the next
+    attempt says so and generates only that turn again."""
+    inference = stack.start("inference-worker", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="2.0")
+    victim = env_worker(stack, "env-worker-a")
+    stack.start("recorder")
+    url = stack.start("scheduler").url
+    batch_id = post(url, env="rg:basic_arithmetic", tasks=[{"seed": 1}, {"seed": 2}], group_size=1, max_turns=1,
+                    sampling={"max_tokens": 16})
+    sql = Sql(database_url)
+    try:
+        wait_for(lambda: metric(victim.url, "rollout_work_items_held") >= 2
+                 and metric(inference.url, "rollout_inference_inflight") >= 2, 60, "both turns in flight")
+        victim.kill()
+        env_worker(stack, "env-worker-b")
+        wait_done(url, batch_id, 90)
+        assert check_token_exact(sql, batch_id) == 2
+        resumes = sql.rows("select * from attempt_resumes where batch_id = :b", b=batch_id)
+        assert len(resumes) == 2
+        for r in resumes:
+            assert (r["mode"], r["turns_recorded"], r["reason"]) == ("restart", 0, "no turn recorded"), r
+            assert r["turns_unstepped"] == 1, "the turn in flight at the kill was generated (and stored)"
+            assert sql.scalar("select count(*) from turns where episode_id = :e", e=r["episode_id"]) == 2
+    finally:
+        sql.close()

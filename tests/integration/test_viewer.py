@@ -9,6 +9,7 @@ the screenshots (``make viewer-screenshots`` writes docs/viewer/ that way).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -91,6 +92,7 @@ def test_viewer_api_and_pages_match_the_ledger(stack: Stack, database_url: str, 
         page.on("pageerror", lambda exc: errors.append(str(exc)))
         page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
         _check_pages(page, url, sql, tok, batches, arith_episode, long_episode, shots)
+        _check_resumed(page, url, sql, tok, insert_resumed_trajectory(sql, tok), shots)
         assert errors == []
     finally:
         sql.close()
@@ -349,3 +351,77 @@ def _check_trajectory(page: Any, sql: Sql, episode_id: str) -> None:
     assert masked.evaluate("n => getComputedStyle(n).opacity") == "0.62"
     versions = sorted({v for v in tr["weight_versions"] if v >= 0})
     assert f"versions {', '.join(f'v{v}' for v in versions)}" in page.locator("#summary").inner_text()
+
+
+def insert_resumed_trajectory(sql: Sql, tok: ChatTokenizer) -> dict[str, Any]:
+    """A trajectory as the recorder writes a resumed one: attempt 2 carried turn 0 over from attempt 1, and a swap in
+    mode keep cut turn 1 after 3 ids (version 0, then 1), so turn 1 owns two action ranges."""
+    prompt = tok.encode(tok.render([{"role": "user", "content": "Count to three."}],
+                                   add_generation_prompt=True)).tolist()
+    sampled = [tok.encode(text).tolist() for text in ("One.", "Two, and then", "Three.")]
+    obs = tok.encode("<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n").tolist()
+    ep, batch = "view-resume.0.0", "view-resume"
+    ids, mask, versions, ranges, starts = list(prompt), [0] * len(prompt), [-1] * len(prompt), [], []
+    runs: list[Any] = [None, [[0, 0], [3, 1]], None]
+    for t, take in enumerate(sampled):
+        starts.append(len(ids))
+        turn_versions = [0] * len(take) if t == 0 else [1] * len(take) if t == 2 else [0, 0, 0] + [1] * (len(take) - 3)
+        if t == 1:
+            ranges += [[len(ids), len(ids) + 3], [len(ids) + 3, len(ids) + len(take)]]
+        else:
+            ranges.append([len(ids), len(ids) + len(take)])
+        ids += take
+        mask += [1] * len(take)
+        versions += turn_versions
+        rest = obs if t < 2 else []
+        ids += rest
+        mask += [0] * len(rest)
+        versions += [-1] * len(rest)
+    sql.execute("insert into batches (id, env, group_size, max_turns, sampling, num_tasks, num_episodes, request_hash) "
+                "values (:b, 'fixed-turns', 1, 3, '{}', 1, 1, 'x')", b=batch)
+    sql.execute("insert into episodes (id, batch_id, group_id, group_index, task_index, env, task, status, reward, "
+                "num_turns, attempt) values (:e, :b, :g, 0, 0, 'fixed-turns', '{}', 'completed', 1.0, 3, 2)",
+                e=ep, b=batch, g=f"{batch}.0")
+    for t, take in enumerate(sampled):
+        attempt = 1 if t == 0 else 2
+        turn_id = f"{ep}:a{attempt}:t{t}:r0"
+        sql.execute("insert into turns (event_id, episode_id, attempt, turn_index, prompt_len, token_ids, logprobs, "
+                    "finish_reason, weight_version, engine, worker_id, queue_ms, generate_ms, produced_at, "
+                    "version_runs) values (:i, :e, :a, :t, 0, :ids, :lps, 'stop', :v, 'fake', 'w', 0, 0, now(), "
+                    "cast(:runs as jsonb))", i=turn_id, e=ep, a=attempt, t=t, ids=take, lps=[-0.5] * len(take),
+                    v=1 if t == 2 else 0, runs=None if runs[t] is None else json.dumps(runs[t]))
+        sql.execute("insert into steps (event_id, episode_id, attempt, turn_index, turn_event_id, action, observation, "
+                    "observation_token_ids, reward, terminated, truncated, info, step_ms, produced_at, reused_from) "
+                    "values (:i, :e, 2, :t, :turn, 'a', 'o', :obs, 0, :term, false, '{}', 0, now(), :reused)",
+                    i=f"{ep}:a2:s{t}", e=ep, t=t, turn=turn_id, obs=obs if t < 2 else [], term=t == 2,
+                    reused=f"{ep}:a1:s0" if t == 0 else None)
+    sql.execute("insert into attempt_resumes (episode_id, attempt, batch_id, mode, from_attempt, turns_recorded, "
+                "turns_reused, turns_unstepped, reason, produced_at) "
+                "values (:e, 2, :b, 'replay', 1, 1, 1, 1, '', now())", e=ep, b=batch)
+    sql.execute("insert into trajectories (episode_id, batch_id, group_id, env, attempt, status, reward, token_ids, "
+                "loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, num_sampled_tokens, "
+                "num_turns, segments, num_segments) values (:e, :b, :g, 'fixed-turns', 2, 'completed', 1.0, :ids, "
+                ":mask, :lps, :versions, :ranges, :plen, :n, :ns, 3, :segs, 1)",
+                e=ep, b=batch, g=f"{batch}.0", ids=ids, mask=mask, lps=[-0.5 if m else 0.0 for m in mask],
+                versions=versions, ranges=ranges, plen=len(prompt), n=len(ids), ns=sum(mask), segs=[[0, len(ids)]])
+    return {"episode_id": ep, "turn_starts": starts, "change_at": starts[1] + 3}
+
+
+def _check_resumed(page: Any, url: str, sql: Sql, tok: ChatTokenizer, resumed: dict[str, Any], shots: Path) -> None:
+    """The page says where the attempt resumed and where turn 1's version changes, at the right tokens."""
+    view = _get(url, f"episodes/{resumed['episode_id']}")
+    assert [t["start"] for t in view["turns"]] == resumed["turn_starts"]
+    assert view["turns"][1]["version_changes"] == [[resumed["change_at"], 1]]
+    assert view["turns"][0]["reused_from"] and view["turns"][0]["attempt"] == 1
+    assert view["resume"]["mode"] == "replay" and view["resume"]["turns_reused"] == 1
+    page.goto(f"{url}/viewer/#/episode/{resumed['episode_id']}")
+    _ready(page)
+    _check_trajectory(page, sql, resumed["episode_id"])
+    assert "resumed from attempt 1 (replay): 1 of 1 recorded turns carried over" in page.locator("#resume").inner_text()
+    assert page.locator("#tokens .mark.turn.reused").count() == 1
+    first_live = page.locator("#tokens .mark.resume ~ .t").first.get_attribute("data-i")
+    assert first_live == str(resumed["turn_starts"][1]), "the resume marker stands before the first live turn"
+    inside = page.locator("#tokens .mark.vchg.inside")
+    assert inside.count() == 1 and inside.inner_text() == "v0→v1 inside turn 1 (keep)"
+    assert page.locator("#tokens .mark.vchg.inside ~ .t").first.get_attribute("data-i") == str(resumed["change_at"])
+    page.screenshot(path=str(shots / "trajectory-resumed.png"), full_page=True)

@@ -80,7 +80,7 @@ def test_rows_follow_the_declared_columns() -> None:
     assert row == {"event_id": e.event_id, "episode_id": "b.0.0", "attempt": 2, "turn_index": 3, "prompt_len": 11,
                    "token_ids": e.token_ids, "logprobs": e.logprobs, "finish_reason": "length", "weight_version": 4,
                    "engine": "fake", "worker_id": "inf-1", "queue_ms": 1.25, "generate_ms": 2.5, "cached_tokens": 9,
-                   "produced_at": T}
+                   "produced_at": T, "version_runs": None}
     s = _step()
     row = dict(zip(STEPS.names, STEPS.row(s), strict=True))
     assert row == {"event_id": s.event_id, "episode_id": "b.0.0", "attempt": 2, "turn_index": 3,
