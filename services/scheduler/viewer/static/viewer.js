@@ -238,7 +238,7 @@ function markers(v) {
   let lastVersion = null;
   const resumedAt = v.resume && v.resume.turns_reused > 0 ? v.resume.turns_reused : null;
   v.turns.forEach((t) => {
-    if (resumedAt !== null && t.turn_index === resumedAt) add(t.start, `<span class="mark resume" data-resumed="${t.turn_index}">attempt ${v.attempt} resumed here (${esc(v.resume.mode)}): turns 0–${t.turn_index - 1} carried over from attempt ${v.resume.from_attempt}</span>`);
+    if (resumedAt !== null && t.turn_index === resumedAt) add(t.start, `<span class="mark resume" data-resumed="${t.turn_index}">attempt ${v.attempt} resumed here (${esc(v.resume.mode)}): ${t.turn_index === 1 ? "turn 0" : "turns 0–" + (t.turn_index - 1)} carried over from attempt ${v.resume.from_attempt}</span>`);
     add(t.start, `<span class="mark turn${t.reused_from ? " reused" : ""}" data-turn="${t.turn_index}">turn ${t.turn_index}${t.reused_from ? " · carried over" : ""}</span>`);
     if (t.weight_version !== null && lastVersion !== null && t.weight_version !== lastVersion) add(t.start, `<span class="mark vchg" data-version="${t.weight_version}">v${lastVersion}→v${t.weight_version}</span>`);
     if (t.weight_version !== null) lastVersion = t.weight_version;
