@@ -13,7 +13,7 @@ Per run, from Postgres once every episode is terminal:
 The fake engine (``--delay-s`` per turn) stands in for the model: what is measured is the work the ledger throws
 away, not the engine. Target (issue 25): at least 95 % of recorded turns reused. Usage:
 
-    python -m bench.resume                       # make bench: 24 episodes x 20 turns, 3 kills per run
+    python -m bench.resume                       # make bench: 48 episodes x 20 turns, 3 kills per run
     python -m bench.resume --episodes 8 --kills 1
 """
 
@@ -38,12 +38,12 @@ from rollout_ledger.shared.lifecycle import TERMINAL
 
 @dataclass
 class ResumeBenchConfig:
-    episodes: int = 24
+    episodes: int = 48
     turns: int = 20
     kills: int = 3
     """Env worker kills per run, ``gap_s`` apart, each while the worker is mid-episode."""
-    gap_s: float = 4.0
-    delay_s: float = 0.1
+    gap_s: float = 3.0
+    delay_s: float = 0.25
     """Fake engine seconds per turn."""
     env_workers: int = 2
     concurrency: int = 8
@@ -64,6 +64,7 @@ class RunFigures:
     tokens_generated: int
     tokens_lost: int
     tokens_lost_per_crash: float
+    tokens_lost_per_interrupted: float
     trajectory_s_lost: float
     trajectory_s_lost_per_crash: float
     wall_s: float
@@ -134,7 +135,9 @@ def run_once(cfg: ResumeBenchConfig, resume: bool) -> RunFigures:
                       recorded_at_crash=recorded, reused=reused,
                       reused_pct=round(100.0 * reused / recorded, 1) if recorded else 0.0, turns_generated=turns,
                       tokens_generated=tokens, tokens_lost=tokens_lost,
-                      tokens_lost_per_crash=round(tokens_lost / per, 1), trajectory_s_lost=round(lost_s, 2),
+                      tokens_lost_per_crash=round(tokens_lost / per, 1),
+                      tokens_lost_per_interrupted=round(tokens_lost / max(after_first, 1), 1),
+                      trajectory_s_lost=round(lost_s, 2),
                       trajectory_s_lost_per_crash=round(lost_s / per, 2), wall_s=round(time.monotonic() - t0, 1))
 
 
@@ -149,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run_once(cfg, resume=False), run_once(cfg, resume=True)]
     for r in runs:
         print(json.dumps({"run": "resume", **asdict(r)}), flush=True)
-    print("\n| mode | crashes | recorded at crash | reused | tokens lost / crash | trajectory-s lost / crash |")
-    print("|---|---|---|---|---|---|")
+    print("\n| mode | crashes | episodes interrupted | recorded at crash | reused | tokens lost / crash | "
+          "tokens lost / interrupted episode | trajectory-s lost / crash |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in runs:
-        print(f"| {r.mode} | {r.crashes} | {r.recorded_at_crash} | {r.reused} ({r.reused_pct} %) | "
-              f"{r.tokens_lost_per_crash} | {r.trajectory_s_lost_per_crash} |")
+        print(f"| {r.mode} | {r.crashes} | {r.attempts_after_first} | {r.recorded_at_crash} | {r.reused} "
+              f"({r.reused_pct} %) | {r.tokens_lost_per_crash} | {r.tokens_lost_per_interrupted} | "
+              f"{r.trajectory_s_lost_per_crash} |")
     resumed = runs[1]
     ok = resumed.episodes_completed == cfg.episodes and runs[0].episodes_completed == cfg.episodes
     return 0 if ok else 1

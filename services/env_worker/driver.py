@@ -326,12 +326,13 @@ class EpisodeDriver(Attempt):
                 if t == 0 and self._reset_replies:
                     played.info[RESET_KEY] = self._reset_replies
             state = None
-            if env.resume == SNAPSHOT and not played.final:
+            if env.resume == SNAPSHOT:
                 try:
                     state = {"state": env.snapshot(), "observation": result.observation}
                 except Exception as exc:  # the env's code
-                    return await self.failed(FailureClass.ENV, f"snapshot after step {t}: {type(exc).__name__}: "
-                                             f"{exc}")
+                    if not played.final:  # after the last step no attempt needs it: the episode ends anyway
+                        return await self.failed(FailureClass.ENV, f"snapshot after step {t}: "
+                                                 f"{type(exc).__name__}: {exc}")
             await self.publish_step(t, turn.event_id, played.action, played.observation, played.delta,
                                     reward=played.reward, terminated=result.terminated, truncated=result.truncated,
                                     info=played.info, step_ms=played.step_ms, env_state=state)

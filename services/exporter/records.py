@@ -83,7 +83,8 @@ def _label(row: Mapping[str, Any]) -> str:
 
 
 def _versions(row: Mapping[str, Any], lo: int, hi: int) -> list[int]:
-    """Distinct weight versions of the sampled turns in [lo, hi) (a turn is sampled by one version)."""
+    """Distinct weight versions of the sampled spans in [lo, hi) (an action range is sampled by one version: a turn a
+    keep swap carried across two versions has two ranges)."""
     per_range = row.get("range_versions")
     if per_range is None:
         wv = row["weight_versions"]

@@ -286,6 +286,7 @@ def test_abort_cuts_turns_in_flight_and_generates_them_again_on_the_new_version(
 
 def test_keep_continues_the_turns_in_flight_on_the_new_version(run: Run) -> None:
     regenerated = metric(run.inf.url, "rollout_inference_regenerated_total")
+    lost = metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"})  # the abort's, before
     v3 = run.checkpoint(3, 1.1)
     batch = run.submit([{"turns": 2}] * 4, max_turns=2, sampling={"temperature": 1.0, "max_tokens": 64})
     wait_for(lambda: run.turns(batch) >= 2, 120, "turns on version 2")
@@ -296,7 +297,8 @@ def test_keep_continues_the_turns_in_flight_on_the_new_version(run: Run) -> None
     run.wait_done(batch)  # every episode completed: none aborted by the update
     assert check_token_exact(run.sql, batch) == 8
     assert metric(run.inf.url, "rollout_inference_regenerated_total") == regenerated, "nothing generated twice"
-    assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"}) == 0
+    assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"}) == lost, "no sampled id discarded"
+    assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "kept"}) > 0
     straddled = run.sql.rows("select t.version_runs, cardinality(t.token_ids) as n from turns t join episodes e "
                              "on e.id = t.episode_id where e.batch_id = :b and t.version_runs is not null", b=batch)
     assert straddled, "turns in flight at the swap span versions 2 and 3"

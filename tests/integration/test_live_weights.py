@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.services.exporter.export import export
+from rollout_ledger.services.exporter.selection import Selection
 from tests.helpers import AUTH, Sql, metric, wait_for
 from tests.integration.test_pipeline import check_token_exact
 from tests.unit.test_weight_swap import checkpoint
@@ -203,5 +206,17 @@ def test_keep_carries_the_turns_in_flight_across_the_swap(stack: Stack, database
         mixed = sql.scalar("select count(*) from trajectories where batch_id = :b and action_versions @> array[0] "
                            "and action_versions @> array[1]", b=batch_id)
         assert mixed > 0, "trajectories whose turns span both versions"
+        # every export's version fields follow the runs: the full record per token, the sample shapes per sample
+        stored = {r["episode_id"]: r["weight_versions"] for r in sql.rows(
+            "select episode_id, weight_versions from trajectories where batch_id = :b", b=batch_id)}
+        sel = Selection(batch_ids=(batch_id,))
+        full = [orjson.loads(line) for line in export(database_url, sel, tmp_path / "full.jsonl", "jsonl")
+                .path.read_text().splitlines()]
+        assert {r["episode_id"]: r["weight_versions"] for r in full} == stored
+        for fmt, versions in (("slime", lambda r: {int(v) for v in r["weight_versions"]}),
+                              ("openrlhf", lambda r: set(r["extra_logs"]["weight_versions"]))):
+            out = export(database_url, sel, tmp_path / f"{fmt}.jsonl", fmt, "jsonl").path
+            for r in (orjson.loads(line) for line in out.read_text().splitlines()):
+                assert versions(r) == {v for v in stored[r["episode_id"]] if v >= 0}, (fmt, r["episode_id"])
     finally:
         sql.close()
