@@ -34,6 +34,7 @@ class InferenceMetrics:
     episode_drain_timeouts: Counter
     unrecorded: Counter
     swap_tokens: Counter
+    oldest_generation: Gauge
     """Sampled ids of generations a swap cut, by what became of them (``kept``: continued on the new weights,
     mode keep; ``lost``: generated again from the start, mode abort or a drain past its timeout)."""
     """Requests answered without publishing their turn (``record=False`` or a non-policy pool)."""
@@ -77,4 +78,7 @@ class InferenceMetrics:
                 "rollout_swap_tokens", "Ids sampled by generations a weight swap cut: kept (mode keep, continued on "
                 "the new weights) or lost (mode abort or a drain past its timeout: generated again).", ["fate"],
                 registry=reg),
+            oldest_generation=Gauge(
+                "rollout_inference_oldest_generation_seconds", "Seconds the longest-running generation in the engine "
+                "has been running (0 when none): a stuck or very long generation shows here.", registry=reg),
         )

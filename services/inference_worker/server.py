@@ -116,8 +116,17 @@ class InferenceServer:
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._active: set[str] = set()
+        self._generating_since: dict[str, float] = {}
+        """Request id -> when its current generation entered the engine (monotonic)."""
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        metrics.oldest_generation.set_function(self.oldest_generation_s)
+
+    def oldest_generation_s(self) -> float:
+        """Seconds the longest-running generation in the engine has been running (0 when none)."""
+        if not self._generating_since:
+            return 0.0
+        return time.monotonic() - min(self._generating_since.values())
 
     @property
     def inflight(self) -> int:
@@ -263,6 +272,7 @@ class InferenceServer:
         while True:
             version = await self.weights.admit(request.request_id)  # waits while a weight swap is on
             self._active.add(request.request_id)
+            self._generating_since[request.request_id] = time.monotonic()
             if piece is None:
                 started = time.perf_counter()
             try:
@@ -277,6 +287,7 @@ class InferenceServer:
                 return
             finally:
                 self._active.discard(request.request_id)
+                self._generating_since.pop(request.request_id, None)
                 cut = self.weights.finished(request.request_id)
             if cut is Cut.AGAIN:
                 # a swap in mode abort cut it: generated again from the start on the new weights

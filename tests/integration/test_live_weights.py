@@ -179,7 +179,9 @@ def test_keep_carries_the_turns_in_flight_across_the_swap(stack: Stack, database
     sql = Sql(database_url)
     try:
         wait_for(lambda: sql.scalar("select count(*) from turns") >= episodes, 60, "a turn of each episode")
-        wait_for(lambda: metric(inf.url, "rollout_inference_inflight") >= 4, 10, "generations in flight")
+        # a generation 0.3 s into its 1-1.5 s: the swap cuts it with ids sampled by version 0
+        wait_for(lambda: metric(inf.url, "rollout_inference_oldest_generation_seconds") >= 0.3, 10,
+                 "a generation under way")
         _announce(url, 1, checkpoint(model_dir, tmp_path / "v1"), "keep")
         _until_state(url, "inf-k", 1, "serving")
 

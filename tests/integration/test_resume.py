@@ -93,7 +93,7 @@ def test_env_worker_killed_mid_episode_resumes_at_the_last_recorded_turn(stack: 
     victim = env_worker(stack, "env-worker-a")
     stack.start("recorder")
     url = stack.start("scheduler").url
-    turns, episodes = 8, 3
+    turns, episodes = 16, 3  # killed after 3 recorded steps: ~3 s of turns left, margin for the recorder's lag
     batch_id = post(url, env="fixed-turns", tasks=[{"turns": turns}] * episodes, group_size=1, max_turns=turns,
                     sampling={"max_tokens": 8})
     sql = Sql(database_url)
@@ -145,7 +145,7 @@ def test_snapshot_env_restores_its_state_instead_of_replaying(stack: Stack, data
     victim = env_worker(stack, "env-worker-a")
     stack.start("recorder")
     url = stack.start("scheduler").url
-    turns = 6
+    turns = 12
     batch_id = post(url, env="snapshot-counter", tasks=[{"turns": turns}] * 2, group_size=1, max_turns=turns,
                     sampling={"max_tokens": 8})
     sql = Sql(database_url)
@@ -171,7 +171,7 @@ def test_a_replay_that_diverges_restarts_with_the_reason_recorded(stack: Stack, 
     victim = env_worker(stack, "env-worker-a")
     stack.start("recorder")
     url = stack.start("scheduler").url
-    batch_id = post(url, env="pid-talker", tasks=[{"turns": 6}], group_size=1, max_turns=6,
+    batch_id = post(url, env="pid-talker", tasks=[{"turns": 12}], group_size=1, max_turns=12,
                     sampling={"max_tokens": 8})
     sql = Sql(database_url)
     try:
@@ -197,7 +197,7 @@ def test_an_agent_function_is_resumed_by_answering_its_repeated_calls(stack: Sta
     victim = env_worker(stack, "env-worker-a", **agents)
     stack.start("recorder")
     url = stack.start("scheduler").url
-    calls = 6
+    calls = 12
     batch_id = post(url, env="counting", tasks=[{"calls": calls}] * 2, group_size=1, max_turns=calls + 2,
                     sampling={"max_tokens": 8, "temperature": 0})
     sql = Sql(database_url)
@@ -223,7 +223,7 @@ def test_tau2_mock_is_resumed_by_replay_with_the_recorded_user(stack: Stack, dat
     victim = env_worker(stack, "env-worker-a", **tau2)
     stack.start("recorder")
     url = stack.start("scheduler").url
-    turns = 6
+    turns = 12
     batch_id = post(url, env="tau2:mock", tasks=[{"task_id": "create_task_1"}, {"task_id": "update_task_1"}],
                     group_size=1, max_turns=turns, sampling={"max_tokens": 16})
     sql = Sql(database_url)
@@ -258,7 +258,7 @@ def test_tau2_mock_is_resumed_by_replay_with_the_recorded_user(stack: Stack, dat
 def test_a_single_turn_rg_episode_killed_mid_turn_generates_that_turn_again(stack: Stack, database_url: str) -> None:
     """``rg:`` envs are one turn: killed while the turn is in flight, nothing was recorded to carry over; the next
     attempt says so and generates only that turn again."""
-    inference = stack.start("inference-worker", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="2.0")
+    inference = stack.start("inference-worker", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="4.0")
     victim = env_worker(stack, "env-worker-a")
     stack.start("recorder")
     url = stack.start("scheduler").url
