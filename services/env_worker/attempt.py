@@ -184,6 +184,16 @@ class Attempt:
         self.last_worker = turn.worker_id
         return turn
 
+    def count_resume(self, info: ResumeInfo, reused: int) -> None:
+        """Count how this attempt (after the first) resumed: the recorded turns it carried over and the turns the
+        attempt before it generated that this one generates again."""
+        if self.attempt <= 1:
+            return
+        regenerated = info.turns_unstepped + info.turns_recorded - reused
+        self.deps.metrics.resumed(str(info.mode), reused, regenerated)
+        log.info("episode.resumed", mode=str(info.mode), from_attempt=info.from_attempt, reused=reused,
+                 regenerated=regenerated, reason=info.reason)
+
     # --- publishing ---------------------------------------------------------------------------------
     async def publish_started(self, transcript: Transcript, messages: list[dict[str, Any]],
                               resume: ResumeInfo | None = None) -> None:

@@ -176,11 +176,7 @@ class EpisodeDriver(Attempt):
                 self.reward += turn.reward
             info = info.model_copy(update={"turns_reused": self.reused})
             await self.flush()  # the carried-over steps are durable before the attempt says it started
-        if self.attempt > 1:
-            regenerated = info.turns_unstepped + (info.turns_recorded - self.reused)
-            self.deps.metrics.resumed(str(info.mode), self.reused, regenerated)
-            log.info("episode.resumed", mode=str(info.mode), from_attempt=info.from_attempt, reused=self.reused,
-                     regenerated=regenerated, reason=info.reason)
+        self.count_resume(info, self.reused)
         await self.publish_started(transcript, messages, info if self.attempt > 1 else None)
         if recorded is not None and self.reused:
             last = recorded.turns[-1]
@@ -255,14 +251,20 @@ class EpisodeDriver(Attempt):
         from the stored state; the template delta must equal the recorded ids."""
         t = turn.turn_index
         text = transcript.add_sampled(turn.token_ids)
-        final = bool(turn.terminated or turn.truncated or turn.info.get("aborted") or t + 1 >= self.item.max_turns)
-        view = None
+        ended = bool(turn.terminated or turn.truncated or turn.info.get("aborted"))
+        delta, _ = self._append_observation(transcript, t, text, observation, ended)
+        if not np.array_equal(delta.ids, turn.observation_token_ids):
+            raise _Diverged(f"turn {t}: the template delta differs from the recorded observation ids")
+
+    def _append_observation(self, transcript: Transcript, t: int, text: str, observation: list[dict[str, Any]],
+                            ended: bool) -> tuple[Delta, bool]:
+        """The template delta after turn ``t`` (live and in a resume alike) and whether the turn is the last one."""
+        final = ended or t + 1 >= self.item.max_turns
+        view = None  # the full history (the default) builds no copy of the conversation per turn
         if not final and uses_window(self.item.context):
             view = windowed(self.item.context, [*transcript.messages, {"role": "assistant", "content": text},
                                                 *observation])
-        delta = transcript.add_observation(observation, final, window=view)
-        if not np.array_equal(delta.ids, turn.observation_token_ids):
-            raise _Diverged(f"turn {t}: the template delta differs from the recorded observation ids")
+        return transcript.add_observation(observation, final, window=view), final
 
     async def _play(self, env: Env, transcript: Transcript, t: int, token_ids: np.ndarray) -> _Played:
         """Append turn ``t``'s sampled ids, step the env with the action, append the template delta."""
@@ -274,12 +276,8 @@ class EpisodeDriver(Attempt):
             with self.deps.tracing.span("env.step", attributes={"rollout.turn_index": t}):
                 result = await env.step(action)
             env_s = time.perf_counter() - started
-            final = result.terminated or result.truncated or result.aborted or t + 1 >= self.item.max_turns
-            view = None  # the full history (the default) builds no copy of the conversation per turn
-            if not final and uses_window(self.item.context):
-                view = windowed(self.item.context, [
-                    *transcript.messages, {"role": "assistant", "content": text}, *result.observation])
-            delta = transcript.add_observation(result.observation, final, window=view)
+            delta, final = self._append_observation(transcript, t, text, result.observation,
+                                                    result.terminated or result.truncated or result.aborted)
         except Exception as exc:  # the env's code (or its unrenderable messages): an env failure
             raise _StepFailed(f"step {t}: {type(exc).__name__}: {exc}", retryable=_env_retryable(exc)) from exc
         self.deps.metrics.env_step_seconds.observe(env_s)

@@ -181,14 +181,7 @@ class AgentEpisode:
                                   turns_recorded=len(recorded.turns), turns_unstepped=recorded.unstepped_turns)
 
     def _count_resume(self) -> None:
-        if self.attempt.attempt <= 1:
-            return
-        info = self._resume
-        reused = len(self._replay.reused) if self._replay is not None else 0
-        regenerated = info.turns_unstepped + info.turns_recorded - reused
-        self.deps.metrics.resumed(str(info.mode), reused, regenerated)
-        log.info("episode.resumed", mode=str(info.mode), from_attempt=info.from_attempt, reused=reused,
-                 regenerated=regenerated, reason=info.reason)
+        self.attempt.count_resume(self._resume, len(self._replay.reused) if self._replay is not None else 0)
 
     async def _conclude(self, session: AgentSession, outcome: RunOutcome) -> AttemptOutcome:
         a = self.attempt
