@@ -33,6 +33,8 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_serializer,
 )
 
@@ -77,6 +79,9 @@ class SamplingParams(BaseModel):
     """Top-k cut-off; -1 disables it."""
     max_tokens: int = Field(256, ge=1, le=131072)
     """New tokens per turn at most (also bounded by the context left)."""
+    min_tokens: int = Field(0, ge=0, le=131072)
+    """New tokens per turn at least: neither the end-of-turn id nor a stop string ends a turn before it (vLLM's
+    ``min_tokens``); a turn still ends at ``max_tokens`` or the context limit. 0: no floor."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings."""
     seed: int | None = None
@@ -87,7 +92,7 @@ class SamplingParams(BaseModel):
     """Constrain the turn to one tool call (the session endpoint's ``tool_choice`` ``required`` or a named function);
     an engine that cannot enforce it refuses the request. None: unconstrained."""
 
-    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({"tool_call"})
+    OMIT_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset({"tool_call", "min_tokens"})
     """Left out of every dump while default (nested in events too): a previous-release reader refuses unknown
     fields, so the field reaches it only when it says something."""
 
@@ -99,6 +104,14 @@ class SamplingParams(BaseModel):
             if getattr(self, name) == type(self).model_fields[name].default:
                 out.pop(name, None)
         return out
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _floor_within_max(cls, value: int, info: ValidationInfo) -> int:
+        ceiling = info.data.get("max_tokens")
+        if ceiling is not None and value > ceiling:
+            raise ValueError(f"min_tokens ({value}) exceeds max_tokens ({ceiling})")
+        return value
 
 
 class ContextPolicy(BaseModel):

@@ -21,7 +21,8 @@ How it answers (all deterministic: the same prompt ids, sampling parameters and 
   eos id is appended (finish ``stop``). A stop string in ``sampling.stop`` ends the turn as in vLLM: the ids run
   up to and including the first id whose text completes a stop string (the one ending first), without the eos
   id, so decoded they end with the stop string and maybe more text of that id (finish ``stop``; cutting the
-  text before it is the caller's business, as with vLLM).
+  text before it is the caller's business, as with vLLM). With ``sampling.min_tokens`` the answer is said again
+  until it has that many ids, and a stop string counts only where it ends past them.
 - Logprobs are a hash of id, position and prompt, in [-3, -0.001] (looked up in a 2,999-entry table).
 - ``cached_tokens`` models a prefix cache per session key (the worker passes the episode id): the longest
   common prefix of this prompt with the previous request's prompt + output of the same session, in whole
@@ -134,9 +135,14 @@ class TailDecoder:
         return b"".join(map(self.table.__getitem__, ids)).decode("utf-8", errors="replace")
 
 
-def stop_end(text: str, stop: Sequence[str]) -> int | None:
-    """Where in ``text`` the stop string that ends first ends (None when none occurs)."""
-    ends = [at + len(s) for s in stop if s and (at := text.find(s)) >= 0]
+def stop_end(text: str, stop: Sequence[str], past: int = 0) -> int | None:
+    """Where in ``text`` the stop string that ends first ends, at the earliest after character ``past`` (None when
+    none does): vLLM looks for stop strings only once ``min_tokens`` ids are out."""
+    ends = []
+    for s in stop:
+        at = text.find(s, max(0, past - len(s) + 1)) if s else -1
+        if at >= 0:
+            ends.append(at + len(s))
     return min(ends, default=None)
 
 
@@ -372,11 +378,30 @@ class FakeEngine:
         forced = sampling.tool_call
         text = tool_call_text(forced.names[0]) if forced is not None else respond(self._decode_tail(tail), h)
         finish = FinishReason.STOP
-        end = stop_end(text, sampling.stop)
+        floor = min(sampling.min_tokens, max_tokens)
+        if floor > 0 and forced is None:
+            # once more after the floor when a stop string may end the turn there (past the floor, as in vLLM)
+            text = self._at_least(text, floor) + (" " + text if sampling.stop else "")
+        end = stop_end(text, sampling.stop, self._char_at(text, floor) if floor > 0 else 0)
         ids = self._encode(text, self.eos_id is not None) if end is None else self._encode_through(text, end)
         if ids.shape[0] > max_tokens:
             ids, finish = ids[:max_tokens], FinishReason.LENGTH
         return ids, finish, h
+
+    def _at_least(self, text: str, floor: int) -> str:
+        """``text`` said again (space-separated) until its ids, without the eos id, number at least ``floor``: with
+        ``min_tokens`` the engine may not end the turn before (vLLM keeps sampling; the fake repeats itself)."""
+        times = -(-floor // max(1, int(self._encode(text, False).shape[0])))
+        said = " ".join([text] * times)
+        while int(self.tokenizer.encode(said).shape[0]) < floor:
+            times += 1
+            said = " ".join([text] * times)
+        return said
+
+    def _char_at(self, text: str, n: int) -> int:
+        """How many characters of ``text`` its first ``n`` ids spell."""
+        ids = self._encode(text, False)[:n]
+        return sum(len(piece) for piece in self.tokenizer.stream_texts(ids))
 
     def _decode_tail(self, tail: np.ndarray) -> str:
         ids = tail.tolist()

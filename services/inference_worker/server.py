@@ -47,7 +47,15 @@ from rollout_ledger.services.inference_worker.engine import Engine, Generation
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
 from rollout_ledger.services.inference_worker.weights import Cut, Weights
 from rollout_ledger.shared.errors import InferenceError, NewerContractError, RolloutError, SchemaError
-from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnGenerated, decode_as, dumps, encode
+from rollout_ledger.shared.events import (
+    FinishReason,
+    InferenceRequested,
+    SamplingParams,
+    TurnGenerated,
+    decode_as,
+    dumps,
+    encode,
+)
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.kit.tracing import SpanKind, Tracing
@@ -277,7 +285,7 @@ class InferenceServer:
                 started = time.perf_counter()
             try:
                 piece = await self.engine.generate(
-                    request.request_id, kept.prompt(request.prompt_token_ids), request.sampling,
+                    request.request_id, kept.prompt(request.prompt_token_ids), kept.sampling(request.sampling),
                     request.max_tokens - kept.count, session_key=request.episode_id,
                 )
             except RolloutError as exc:
@@ -371,6 +379,12 @@ class _Kept:
     def prompt(self, prompt: np.ndarray) -> np.ndarray:
         """What the next piece is generated from: the prompt and every id kept so far."""
         return np.concatenate([prompt, *self.ids]).astype(np.int32, copy=False) if self.ids else prompt
+
+    def sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """The next piece's parameters: a ``min_tokens`` floor counts the ids kept so far."""
+        if not self.count or not sampling.min_tokens:
+            return sampling
+        return sampling.model_copy(update={"min_tokens": max(0, sampling.min_tokens - self.count)})
 
     def add(self, piece: Generation, version: int, final: bool = False) -> None:
         """One more piece, sampled by ``version`` (``final``: the last one, which ends the turn)."""

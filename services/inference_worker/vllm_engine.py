@@ -211,6 +211,7 @@ def sampling_params(sampling: SamplingParams, max_tokens: int) -> vllm.SamplingP
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         max_tokens=max_tokens,
+        min_tokens=min(sampling.min_tokens, max_tokens),
         stop=list(sampling.stop) or None,
         seed=sampling.seed,
         logprobs=max(1, sampling.logprobs),

@@ -288,13 +288,14 @@ def test_keep_continues_the_turns_in_flight_on_the_new_version(run: Run) -> None
     regenerated = metric(run.inf.url, "rollout_inference_regenerated_total")
     lost = metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"})  # the abort's, before
     v3 = run.checkpoint(3, 1.1)
-    # long turns (a few sentences, up to 64 ids): the push goes out once a generation has been decoding for 0.5 s
-    # (~20 ids at this machine's rate), so the swap cuts it mid-way with ids sampled by version 2
+    # turns of exactly 256 ids (min_tokens = max_tokens: no early end of turn), several seconds of decoding even on
+    # a fast CPU; the push goes out once a generation has been decoding for 0.25 s (ids sampled by version 2), so
+    # the swap cuts it mid-way with seconds to spare, on a slow machine or a fast one
     batch = run.submit([{"turns": 2, "topic": "lighthouses"}] * 4, max_turns=2,
-                       sampling={"temperature": 1.0, "max_tokens": 64})
+                       sampling={"temperature": 1.0, "max_tokens": 256, "min_tokens": 256})
     wait_for(lambda: run.turns(batch) >= 2, 120, "turns on version 2")
-    wait_for(lambda: metric(run.inf.url, "rollout_inference_oldest_generation_seconds") >= 0.5, 60,
-             "a generation decoding for 0.5 s")
+    wait_for(lambda: metric(run.inf.url, "rollout_inference_oldest_generation_seconds") >= 0.25, 60,
+             "a generation decoding for 0.25 s")
     run.push(3, v3, "keep")
     run.until_state(3, "serving")
     run.served.append(3)

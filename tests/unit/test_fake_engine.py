@@ -128,6 +128,25 @@ async def test_stop_string(engine: FakeEngine, tok: ChatTokenizer) -> None:
     assert np.array_equal(two.token_ids, full.token_ids[:len(two.token_ids)])
 
 
+async def test_min_tokens_holds_the_end_of_turn_back(engine: FakeEngine, tok: ChatTokenizer) -> None:
+    """As vLLM's ``min_tokens``: neither the eos id nor a stop string ends the turn before that many ids."""
+    prompt = chat(tok, ("user", "What is 2 + 2?"))
+    short = await engine.generate("r", prompt, SamplingParams(), 64)
+    assert len(short.token_ids) < 40
+    exact = await engine.generate("r", prompt, SamplingParams(max_tokens=40, min_tokens=40), 40)
+    assert len(exact.token_ids) == 40 and exact.finish_reason == FinishReason.LENGTH
+    assert tok.eos_token_id not in exact.token_ids.tolist()
+    floor = await engine.generate("r", prompt, SamplingParams(min_tokens=30), 256)
+    assert len(floor.token_ids) >= 30 and floor.finish_reason == FinishReason.STOP
+    assert floor.token_ids.tolist()[-1] == tok.eos_token_id
+    assert text_of(tok, floor).startswith(text_of(tok, short))
+    stopped = await engine.generate("r", prompt, SamplingParams(min_tokens=10, stop=["answer"]), 256)
+    assert len(stopped.token_ids) > 10 and text_of(tok, stopped).endswith("answer")
+    assert text_of(tok, stopped).count("answer") == 3  # the first two were within the floor
+    clamped = await engine.generate("r", prompt, SamplingParams(min_tokens=30), 12)
+    assert len(clamped.token_ids) == 12 and clamped.finish_reason == FinishReason.LENGTH
+
+
 async def test_logprobs_in_range(engine: FakeEngine, tok: ChatTokenizer) -> None:
     for i in range(30):
         gen = await engine.generate("r", chat(tok, ("user", f"Question {i}")), SamplingParams(seed=i), 64)

@@ -308,6 +308,7 @@ def _sampling(base: SamplingParams, req: ChatRequest) -> SamplingParams:
         values["logprobs"] = max(base.logprobs, req.top_logprobs)
     if req.completion_limit is not None:
         values["max_tokens"] = min(req.completion_limit, 131072)
+        values["min_tokens"] = min(base.min_tokens, values["max_tokens"])  # the call's limit wins over a floor
     try:
         return SamplingParams.model_validate(values)
     except ValueError as exc:
