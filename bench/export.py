@@ -41,11 +41,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollout_ledger.cli.stack.servers import LocalInfra
+from rollout_ledger.client.rows import PACKED, flat_ranges, mask_and_versions, spread, unpack
+from rollout_ledger.client.selection import Selection
+from rollout_ledger.client.source import CHUNK, libpq_url
 from rollout_ledger.migrations.runner import upgrade
 from rollout_ledger.services.exporter.export import export
-from rollout_ledger.services.exporter.rows import PACKED, flat_ranges, mask_and_versions, spread, unpack
-from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import CHUNK, libpq_url
 
 PROMPT, TURNS, SAMPLED, OBS = 64, 4, 32, 16
 LENGTH = PROMPT + TURNS * (SAMPLED + OBS)
@@ -164,7 +164,7 @@ def child_straight(url: str, out: Path, chunk: int) -> dict[str, Any]:
 
 
 def child_consumer(url: str, fmt: str, batch: int) -> dict[str, Any]:
-    from rollout_ledger.services.exporter.reader import TrajectoryReader
+    from rollout_ledger.client.reader import TrajectoryReader
 
     t0, c0 = time.perf_counter(), cpu_s()
     count = 0

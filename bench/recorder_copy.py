@@ -50,8 +50,8 @@ from psycopg.pq import Format
 from psycopg.types.numeric import Float4BinaryDumper, Int4BinaryDumper
 
 from rollout_ledger.cli.stack.servers import LocalInfra
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.migrations.runner import upgrade
-from rollout_ledger.services.exporter.source import libpq_url
 from rollout_ledger.services.recorder import adapters
 from rollout_ledger.services.recorder.assembly import Trajectory
 from rollout_ledger.services.recorder.store import (

@@ -29,8 +29,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rollout_ledger.cli.stack.servers import LocalInfra
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.migrations.runner import upgrade
-from rollout_ledger.services.exporter.source import libpq_url
 from rollout_ledger.services.scheduler.viewer import queries
 from rollout_ledger.shared.db import create_engine, episodes
 from rollout_ledger.shared.kit.settings import normalize_database_url

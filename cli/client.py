@@ -1,4 +1,5 @@
-"""A small HTTP client of the scheduler for the CLI: submit a batch, poll it with a progress bar, print it."""
+"""The CLI's side of the scheduler's API: the client package's ``LedgerClient`` with progress bars and tables, and
+the local stack's record (``rollout up`` writes it, every client reads it)."""
 
 from __future__ import annotations
 
@@ -8,32 +9,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-TERMINAL = ("completed", "truncated", "aborted", "failed", "cancelled")
+from rollout_ledger.client.rest import (
+    TERMINAL,
+    LedgerClient,
+    SchedulerError,
+    local_stack_file,
+    local_token,
+    resolve_token,
+)
 
-
-class SchedulerError(RuntimeError):
-    """The scheduler answered with an error; the message is its explanation."""
-
-
-def load_tasks(tasks_file: str | None, inline: list[str] | None, num_tasks: int) -> list[dict[str, Any]]:
-    if tasks_file:
-        lines = Path(tasks_file).read_text().splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
-    if inline:
-        return [json.loads(t) for t in inline]
-    return [{"seed": i} for i in range(num_tasks)]
-
-
-def local_stack_file() -> Path:
-    """Where ``rollout up`` / ``rollout demo`` leave their scheduler's URL and token for the CLI (mode 0600)."""
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "rollout-ledger" / "local-stack.json"
-
+__all__ = ["TERMINAL", "SchedulerClient", "SchedulerError", "forget_local_stack", "load_tasks", "local_stack_file",
+           "local_token", "print_batch", "print_policy", "resolve_token", "save_local_stack", "viewer_link"]
 
 def save_local_stack(url: str, token: str) -> Path:
     """Record the local stack's scheduler URL and token (readable by this user only)."""
@@ -56,25 +46,13 @@ def forget_local_stack(url: str) -> None:
         return
 
 
-def resolve_token(url: str, token: str | None = None) -> str | None:
-    """The bearer token for ``url``: the one given (``--token`` / ROLLOUT_API_TOKEN), else the local stack's when
-    ``url`` is its scheduler, else none."""
-    if token:
-        return token
-    if os.environ.get("ROLLOUT_API_TOKEN"):
-        return os.environ["ROLLOUT_API_TOKEN"]
-    return local_token(url)
-
-
-def local_token(url: str) -> str | None:
-    """The token ``rollout up`` / ``rollout demo`` recorded for ``url`` (None when ``url`` is not that stack's)."""
-    try:
-        saved = json.loads(local_stack_file().read_text())
-    except (OSError, ValueError):
-        return None
-    if isinstance(saved, dict) and saved.get("url") == url.rstrip("/") and isinstance(saved.get("token"), str):
-        return str(saved["token"])
-    return None
+def load_tasks(tasks_file: str | None, inline: list[str] | None, num_tasks: int) -> list[dict[str, Any]]:
+    if tasks_file:
+        lines = Path(tasks_file).read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+    if inline:
+        return [json.loads(t) for t in inline]
+    return [{"seed": i} for i in range(num_tasks)]
 
 
 def viewer_link(url: str, page: str, token: str | None = None) -> str:
@@ -84,35 +62,8 @@ def viewer_link(url: str, page: str, token: str | None = None) -> str:
     return f"{base}?token={token}" if token else base
 
 
-class SchedulerClient:
-    """The scheduler's API over HTTP, with the bearer token of ``resolve_token``."""
-
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
-        token = resolve_token(url, token)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
-
-    def _check(self, resp: httpx.Response) -> Any:
-        if resp.status_code >= 400:
-            try:
-                detail = resp.json().get("detail", resp.text)
-            except ValueError:
-                detail = resp.text
-            raise SchedulerError(f"{resp.request.method} {resp.request.url.path} -> {resp.status_code}: {detail}")
-        return resp.json()
-
-    def submit(self, **body: Any) -> dict[str, Any]:
-        body = {k: v for k, v in body.items() if v is not None}
-        return self._check(self.http.post("/v1/batches", json=body))
-
-    def batch(self, batch_id: str) -> dict[str, Any]:
-        return self._check(self.http.get(f"/v1/batches/{batch_id}"))
-
-    def announce_version(self, **body: Any) -> dict[str, Any]:
-        return self._check(self.http.post("/v1/policy/versions", json=body))
-
-    def policy(self) -> dict[str, Any]:
-        return self._check(self.http.get("/v1/policy"))
+class SchedulerClient(LedgerClient):
+    """The client package's ``LedgerClient`` with the CLI's progress bars."""
 
     def follow(self, batch_id: str, poll_s: float = 0.5, console: Console | None = None,
                timeout_s: float | None = None) -> dict[str, Any]:

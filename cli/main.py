@@ -281,8 +281,8 @@ def _selection(batch: list[str] | None, env: list[str] | None, status: list[str]
                adv_epsilon: float, std_normalize: bool, beyond_staleness: str = "include") -> Any:
     import datetime as dt
 
-    from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
-    from rollout_ledger.services.exporter.selection import BeyondStaleness, RewardChoice, Selection
+    from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec
+    from rollout_ledger.client.selection import BeyondStaleness, RewardChoice, Selection
 
     def when(text: str | None, name: str) -> dt.datetime | None:
         if not text:
@@ -351,8 +351,8 @@ def export_cmd(
     """Export trajectories for a trainer: one file, or a consumer's stream of new ones (--consumer, --follow)."""
     from pathlib import Path
 
+    from rollout_ledger.client.records import Unit
     from rollout_ledger.services.exporter.export import export, shape_and_file_type
-    from rollout_ledger.services.exporter.records import Unit
     from rollout_ledger.services.exporter.settings import ExporterSettings
 
     settings = ExporterSettings()
@@ -397,9 +397,9 @@ def rescore(
     database_url: str = typer.Option(None, envvar="DATABASE_URL", help="Postgres DSN (needs write on reward_scores)"),
 ) -> None:
     """Score stored trajectories with a named, versioned reward function (export it with --reward NAME@VERSION)."""
+    from rollout_ledger.client.selection import Selection
     from rollout_ledger.services.exporter.rewards import RewardError, resolve
     from rollout_ledger.services.exporter.rewards import rescore as run_rescore
-    from rollout_ledger.services.exporter.selection import Selection
 
     if not database_url:
         raise typer.BadParameter("set DATABASE_URL or pass --database-url")

@@ -31,9 +31,9 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from rollout_ledger.services.exporter.rows import Chunk
-from rollout_ledger.services.exporter.selection import Scope, Selection
-from rollout_ledger.services.exporter.source import connect, connect_arrow, fetch
+from rollout_ledger.client.rows import Chunk
+from rollout_ledger.client.selection import Scope, Selection
+from rollout_ledger.client.source import connect, connect_arrow, fetch
 from rollout_ledger.shared.errors import RolloutError
 
 STARTS = ("earliest", "latest")
@@ -193,6 +193,35 @@ class Cursors:
             scope = Scope(groups=groups, rows=[(e[2], int(e[3])) for e in entries])
         rows = fetch(self.conn, self.arrow, sel, scope) if scope.groups else Chunk.empty()
         return Read(pos, end, len(entries), rows, state.deliveries)
+
+    def read_groups(self, sel: Selection, groups: int, limit: int) -> Read | None:
+        """The feed entries up to the one that completes the ``groups``-th complete group the selection delivers,
+        and exactly those groups' rows; None when fewer are readable among the next ``limit`` entries (nothing is
+        taken: a later read finds them with the rest). Groups that complete earlier and select nothing are stepped
+        over; groups that complete later stay for the next read. Call inside a transaction."""
+        if not sel.complete_groups:
+            raise CursorError("reading whole groups needs a selection with complete_groups")
+        state = self.state()
+        pos = state.position
+        entries = self.conn.execute(_FEED, {"xid": pos.xid, "seq": pos.seq, "limit": limit}).fetchall()
+        if not entries:
+            return None
+        end = Position(int(entries[-1][0]), int(entries[-1][1]))
+        last = {e[4]: i for i, e in enumerate(entries)}  # each group's latest entry in this read
+        later = {r[0] for r in self.conn.execute(_LATER_IN_GROUP, {"groups": sorted(last), "xid": end.xid,
+                                                                    "seq": end.seq}).fetchall()}
+        complete = sorted((i, g) for g, i in last.items() if g not in later)
+        if len(complete) < groups:
+            return None
+        # which of them the selection delivers (a narrow read: group ids only), in the order they completed
+        narrow = fetch(self.conn, self.arrow, sel, Scope(groups=[g for _, g in complete]), fields=("group_id",))
+        delivered = set(narrow.values("group_id"))
+        chosen = [(i, g) for i, g in complete if g in delivered][:groups]
+        if len(chosen) < groups:
+            return None
+        cut = chosen[-1][0]
+        rows = fetch(self.conn, self.arrow, sel, Scope(groups=[g for _, g in chosen]))
+        return Read(pos, Position(int(entries[cut][0]), int(entries[cut][1])), cut + 1, rows, state.deliveries)
 
     def advance(self, read: Read, records: int, *, delivery: bool, sel: Selection | None = None) -> None:
         """Move the cursor from ``read.start`` to ``read.end`` (compare-and-set; raises ``CursorError`` if moved)."""

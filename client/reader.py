@@ -1,6 +1,6 @@
-"""The trainer-side Python API (no torch): a consumer's new trajectories as Arrow tables / numpy, exactly once.
+"""``TrajectoryReader``: a consumer's new trajectories as Arrow tables / numpy, exactly once (no torch).
 
-    from rollout_ledger.services.exporter.reader import TrajectoryReader, Selection
+    from rollout_ledger.client.reader import TrajectoryReader, Selection
 
     with TrajectoryReader(DATABASE_URL, consumer="grpo-run-7", fmt="slime",
                           selection=Selection(complete_groups=True, statuses=("completed", "truncated"))) as reader:
@@ -15,6 +15,7 @@ restart), and never after: ``ack()`` is a compare-and-set on the position the ba
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +23,11 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 
-from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec
-from rollout_ledger.services.exporter.cursor import CursorError, Cursors, Read
-from rollout_ledger.services.exporter.records import SCHEMAS, Unit
-from rollout_ledger.services.exporter.selection import RewardChoice, Selection
-from rollout_ledger.services.exporter.tables import table
+from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec
+from rollout_ledger.client.cursor import CursorError, Cursors, Read
+from rollout_ledger.client.records import SCHEMAS, Unit
+from rollout_ledger.client.selection import RewardChoice, Selection
+from rollout_ledger.client.tables import table
 
 __all__ = ["AdvantageKind", "AdvantageSpec", "Batch", "CursorError", "RewardChoice", "Selection",
            "TrajectoryReader", "Unit"]
@@ -105,6 +106,27 @@ class TrajectoryReader:
                 return self._pending
             with self.conn.transaction():  # entries that selected nothing: step over them
                 self.cursors.advance(read, 0, delivery=False, sel=self.sel)
+
+    def read_groups(self, groups: int, timeout_s: float | None = None, poll_s: float = 0.5,
+                    stop: threading.Event | None = None, scan: int = 100_000) -> Batch | None:
+        """One batch of exactly ``groups`` complete groups (the selection needs ``complete_groups``), the groups
+        in the order they completed; waits for them (None past ``timeout_s`` or once ``stop`` is set; nothing is
+        taken then). Acknowledge it as any batch. ``scan``: feed entries looked at per try."""
+        if groups < 1:
+            raise ValueError(f"groups must be at least 1, got {groups}")
+        if self._pending is not None and not self._pending.acked:
+            raise CursorError("acknowledge the previous batch (batch.ack()) before reading the next one")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stop = stop or threading.Event()
+        while True:
+            with self.conn.transaction():
+                read = self.cursors.read_groups(self.sel, groups, scan)
+            if read is not None:
+                self._pending = Batch(table(read.rows, self.shape, self.unit), read, self)
+                return self._pending
+            if stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                return None
+            stop.wait(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
     def batches(self, follow: bool = False, poll_s: float = 1.0,
                 stop: threading.Event | None = None) -> Iterator[Batch]:

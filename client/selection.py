@@ -14,7 +14,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rollout_ledger.services.exporter.advantages import AdvantageSpec
+from rollout_ledger.client.advantages import AdvantageSpec
 from rollout_ledger.shared.lifecycle import TERMINAL
 
 

@@ -19,8 +19,8 @@ import pyarrow.compute as pc
 from psycopg import sql
 from psycopg.types.json import set_json_loads
 
-from rollout_ledger.services.exporter.rows import JSON_FIELDS, PACKED, Chunk, by_code
-from rollout_ledger.services.exporter.selection import (
+from rollout_ledger.client.rows import JSON_FIELDS, PACKED, Chunk, by_code
+from rollout_ledger.client.selection import (
     KEY_COLUMNS,
     PACKED_FIELDS,
     PAIR_FIELDS,
@@ -28,13 +28,12 @@ from rollout_ledger.services.exporter.selection import (
     Selection,
     stream_query,
 )
-from rollout_ledger.services.exporter.settings import ExporterSettings
 from rollout_ledger.shared.errors import SchemaError, StoreError
 from rollout_ledger.shared.kit.settings import normalize_database_url
 
 BATCH_BYTES = 4 << 20
 """About how many bytes of rows the driver decodes into one Arrow batch (then cut into chunks)."""
-CHUNK: int = ExporterSettings.model_fields["export_chunk"].default
+CHUNK = 2000
 """Rows per chunk of a one-shot export by default (``ROLLOUT_EXPORT_CHUNK``): per-chunk work is a few dozen numpy
 and Arrow calls, which cost as much as the rows' own at 500 rows."""
 

@@ -17,8 +17,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollout_ledger.services.exporter.records import SCHEMAS, SLIME_STATUS, Unit
-from rollout_ledger.services.exporter.rows import Chunk, by_code, offsets, runs
+from rollout_ledger.client.records import SCHEMAS, SLIME_STATUS, Unit
+from rollout_ledger.client.rows import Chunk, by_code, offsets, runs
 
 
 def _json_text(v: Any) -> Any:

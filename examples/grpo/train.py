@@ -6,7 +6,7 @@ Each iteration:
    sampled ``--group-size`` times: one GRPO group per task);
 2. waits for it and reads exactly that batch's new complete groups through the consumer cursor (the Python
    ``TrajectoryReader``, a named consumer: each trajectory is delivered once), with GRPO advantages computed by the
-   exporter (``services/exporter/advantages.py``);
+   exporter (``client/advantages.py``);
 
    With ``--max-staleness K`` (pipelined) it instead submits ONE batch for the whole run, bounded at admission
    (``max_staleness`` K, ``episodes_per_version`` one iteration's episodes): the scheduler starts the next
@@ -58,9 +58,9 @@ import numpy as np
 import psycopg
 import torch
 
+from rollout_ledger.client.reader import Selection, TrajectoryReader
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.services.exporter.audit import AuditRow, load_model, stats, write_rows
-from rollout_ledger.services.exporter.reader import Selection, TrajectoryReader
-from rollout_ledger.services.exporter.source import libpq_url
 from rollout_ledger.shared.kit.settings import default_model_dir
 
 ENV = "arithmetic"

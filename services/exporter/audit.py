@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import psycopg
 
-from rollout_ledger.services.exporter.source import libpq_url
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.shared.errors import StoreError
 
 DTYPE = "float32"

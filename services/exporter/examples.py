@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_ledger.services.exporter.records import SAMPLE_SHAPES, records
+from rollout_ledger.client.records import SAMPLE_SHAPES, records
 
 BEGIN = "<!-- examples:begin (generated: python -m rollout_ledger.services.exporter.examples) -->"
 END = "<!-- examples:end -->"

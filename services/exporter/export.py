@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_ledger.services.exporter.records import FIELDS, FORMATS, Unit
-from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import CHUNK, stream
+from rollout_ledger.client.records import FIELDS, FORMATS, Unit
+from rollout_ledger.client.selection import Selection
+from rollout_ledger.client.source import CHUNK, stream
 from rollout_ledger.services.exporter.writers import FILE_TYPES, ROW_GROUP_BYTES, write_file
 
 FILE_FORMATS = FILE_TYPES

@@ -22,12 +22,12 @@ import psycopg
 import pyarrow.parquet as pq
 import structlog
 
-from rollout_ledger.services.exporter.cursor import Cursors, Position, Read
+from rollout_ledger.client.cursor import Cursors, Position, Read
+from rollout_ledger.client.records import Unit
+from rollout_ledger.client.rows import Chunk
+from rollout_ledger.client.selection import Selection
 from rollout_ledger.services.exporter.export import shape_and_file_type
 from rollout_ledger.services.exporter.metrics import ExportMetrics
-from rollout_ledger.services.exporter.records import Unit
-from rollout_ledger.services.exporter.rows import Chunk
-from rollout_ledger.services.exporter.selection import Selection
 from rollout_ledger.services.exporter.settings import ExporterSettings
 from rollout_ledger.services.exporter.writers import AtomicWriter
 from rollout_ledger.shared.kit.runtime import BackgroundHttpServer, Health, ops_app

@@ -56,9 +56,9 @@ from typing import Any
 import psycopg
 import structlog
 
-from rollout_ledger.services.exporter.cursor import Position
-from rollout_ledger.services.exporter.selection import BeyondStaleness, RewardChoice, Selection, _filters
-from rollout_ledger.services.exporter.source import connect
+from rollout_ledger.client.cursor import Position
+from rollout_ledger.client.selection import BeyondStaleness, RewardChoice, Selection, _filters
+from rollout_ledger.client.source import connect
 from rollout_ledger.shared.errors import RolloutError
 
 log = structlog.get_logger("rollout.exporter")

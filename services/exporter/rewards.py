@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from psycopg.types.json import Jsonb
 
-from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import connect, stream
+from rollout_ledger.client.selection import Selection
+from rollout_ledger.client.source import connect, stream
 from rollout_ledger.shared.errors import RolloutError
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
+from rollout_ledger.client.source import CHUNK
 from rollout_ledger.shared.kit.settings import BaseServiceSettings, normalize_database_url
 
 
@@ -15,7 +16,7 @@ class ExporterSettings(BaseServiceSettings):
     ``DATABASE_URL``. `rollout rescore` writes scores and always uses ``DATABASE_URL``."""
     export_batch_size: int = Field(256, ge=1, le=100_000)
     """Feed entries per consumer read (`--consumer`): bounds a delivery file and the reader's memory."""
-    export_chunk: int = Field(2000, ge=1, le=100_000)
+    export_chunk: int = Field(CHUNK, ge=1, le=100_000)
     """Rows a one-shot export maps and writes at a time (cut across the driver's ~4 MiB batches): memory is bounded
     by this, the driver's batch and the row group, not by the export's size."""
     export_row_group_mb: int = Field(16, ge=1, le=4096)

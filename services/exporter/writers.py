@@ -15,10 +15,10 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
-from rollout_ledger.services.exporter.rows import Chunk
+from rollout_ledger.client.records import SCHEMAS, Unit, records
+from rollout_ledger.client.rows import Chunk
+from rollout_ledger.client.tables import table
 from rollout_ledger.services.exporter.settings import ExporterSettings
-from rollout_ledger.services.exporter.tables import table
 
 FILE_TYPES = ("parquet", "jsonl")
 ROW_GROUP_BYTES: int = ExporterSettings.model_fields["export_row_group_mb"].default << 20

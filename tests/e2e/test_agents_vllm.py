@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rollout_ledger.cli.stack.supervisor import Stack
-from rollout_ledger.services.exporter.records import spans
+from rollout_ledger.client.records import spans
 from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
 from tests.helpers import AUTH, Sql, wait_for

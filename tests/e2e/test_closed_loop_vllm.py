@@ -23,8 +23,8 @@ import torch
 from rich.console import Console
 
 from examples.grpo.train import Trajectory, token_logprobs
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.services.exporter.audit import audit_batch, load_model, recompute
-from rollout_ledger.services.exporter.source import libpq_url
 from tests.e2e.conftest import require_vllm
 
 if TYPE_CHECKING:

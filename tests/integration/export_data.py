@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import psycopg
 
-from rollout_ledger.services.exporter.source import libpq_url
+from rollout_ledger.client.source import libpq_url
 
 
 @dataclass

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.client.records import spans
 from rollout_ledger.services.envs.tools import format_call
-from rollout_ledger.services.exporter.records import spans
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import ENVS_BUCKET

@@ -105,8 +105,8 @@ def test_each_login_is_refused_what_its_service_must_not_do(logins: Logins) -> N
 
 def test_the_services_run_under_their_own_logins(stack: Stack, logins: Logins, database_url: str,
                                                   tmp_path: Path) -> None:
+    from rollout_ledger.client.reader import TrajectoryReader
     from rollout_ledger.services.exporter.export import export_batch
-    from rollout_ledger.services.exporter.reader import TrajectoryReader
     from rollout_ledger.services.exporter.retention import prune
 
     stack.start("inference-worker", ROLLOUT_ENGINE="fake")

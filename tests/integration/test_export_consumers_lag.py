@@ -12,10 +12,10 @@ from pathlib import Path
 
 import psycopg
 
+from rollout_ledger.client.selection import RewardChoice, Selection
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.services.exporter.follow import Follower
 from rollout_ledger.services.exporter.retention import consumers, stored_selection
-from rollout_ledger.services.exporter.selection import RewardChoice, Selection
-from rollout_ledger.services.exporter.source import libpq_url
 from tests.integration.export_data import Traj, run, seed_batch
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "sql.md"

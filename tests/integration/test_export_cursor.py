@@ -14,12 +14,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from rollout_ledger.services.exporter.cursor import KEEPALIVE, Cursors
+from rollout_ledger.client.cursor import KEEPALIVE, Cursors
+from rollout_ledger.client.reader import CursorError, TrajectoryReader
+from rollout_ledger.client.selection import Selection
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.services.exporter.follow import Follower
-from rollout_ledger.services.exporter.reader import CursorError, TrajectoryReader
 from rollout_ledger.services.exporter.retention import prune
-from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import libpq_url
 from tests.helpers import wait_for
 from tests.integration.export_data import Traj, consumer_claimed, delivered, run, seed_batch
 

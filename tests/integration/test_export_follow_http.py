@@ -16,7 +16,7 @@ import psutil
 import psycopg
 
 from rollout_ledger.cli.stack.servers import free_port
-from rollout_ledger.services.exporter.source import libpq_url
+from rollout_ledger.client.source import libpq_url
 from tests.helpers import wait_for
 from tests.integration.export_data import Traj, consumer_claimed, delivered, seed_batch
 

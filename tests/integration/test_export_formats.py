@@ -10,9 +10,9 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import pytest
 
+from rollout_ledger.client.records import SCHEMAS, Unit
+from rollout_ledger.client.selection import Selection
 from rollout_ledger.services.exporter.export import export, export_batch
-from rollout_ledger.services.exporter.records import SCHEMAS, Unit
-from rollout_ledger.services.exporter.selection import Selection
 from tests.integration.export_data import Traj, arrays, seed_batch
 
 SEGMENTED = Traj(reward=0.0, status="truncated", segments=((4, ((3, 2), (2, 1))), (6, ((2, 0),))), versions=(1, 2, 2))

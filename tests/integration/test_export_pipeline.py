@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.client.selection import Selection
 from rollout_ledger.services.exporter.follow import Follower
-from rollout_ledger.services.exporter.selection import Selection
 from tests.helpers import AUTH, Sql, wait_for
 from tests.integration.test_pipeline import start_all
 

@@ -13,9 +13,9 @@ import psycopg
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
+from rollout_ledger.client.selection import Selection
+from rollout_ledger.client.source import connect, connect_arrow, fetch
 from rollout_ledger.services.exporter.export import export
-from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import connect, connect_arrow, fetch
 from rollout_ledger.shared.events import StepCompleted, TurnGenerated
 from rollout_ledger.shared.kit import bus
 from tests.helpers import Sql

@@ -12,11 +12,11 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from rollout_ledger.client.selection import Selection
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.follow import Follower
 from rollout_ledger.services.exporter.retention import PruneResult, RetentionError, consumers, prune
-from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import libpq_url
 from tests.integration.export_data import Traj, delivered, run, seed_batch
 
 Entry = tuple[int, int, str, int]

@@ -11,11 +11,11 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
+from rollout_ledger.client.selection import Selection
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.follow import Follower
 from rollout_ledger.services.exporter.rewards import rescore, resolve
-from rollout_ledger.services.exporter.selection import Selection
-from rollout_ledger.services.exporter.source import libpq_url
 from tests.integration.export_data import Traj, run, seed_batch
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "sql.md"

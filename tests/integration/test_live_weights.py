@@ -16,8 +16,8 @@ import httpx
 import orjson
 
 from rollout_ledger.cli.stack.supervisor import Stack
+from rollout_ledger.client.selection import Selection
 from rollout_ledger.services.exporter.export import export
-from rollout_ledger.services.exporter.selection import Selection
 from tests.helpers import AUTH, Sql, metric, wait_for
 from tests.integration.test_pipeline import check_token_exact
 from tests.unit.test_weight_swap import checkpoint

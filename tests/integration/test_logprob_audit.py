@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import psycopg
 
+from rollout_ledger.client.source import libpq_url
 from rollout_ledger.services.exporter.audit import audit_batch, load_model
-from rollout_ledger.services.exporter.source import libpq_url
 from tests.integration.export_data import Traj, arrays, seed_batch
 
 

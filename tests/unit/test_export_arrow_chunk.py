@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rollout_ledger.services.exporter.rows import Chunk
-from rollout_ledger.services.exporter.source import _parsed, arrow_chunk, rechunked
+from rollout_ledger.client.rows import Chunk
+from rollout_ledger.client.source import _parsed, arrow_chunk, rechunked
 from rollout_ledger.shared.errors import SchemaError
 
 NAMES = ("batch_id", "group_id", "status", "rollout_reward", "token_ids", "logprobs", "range_versions",

@@ -6,11 +6,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rollout_ledger.services.exporter.advantages import AdvantageKind, AdvantageSpec, group_advantages
-from rollout_ledger.services.exporter.records import SCHEMAS, Span, Unit, records, slime, spans, trl, verl
-from rollout_ledger.services.exporter.rows import Chunk, rebuild_sampled, sampled_of, spread
-from rollout_ledger.services.exporter.selection import RewardChoice, Selection
-from rollout_ledger.services.exporter.tables import to_table
+from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec, group_advantages
+from rollout_ledger.client.records import SCHEMAS, Span, Unit, records, slime, spans, trl, verl
+from rollout_ledger.client.rows import Chunk, rebuild_sampled, sampled_of, spread
+from rollout_ledger.client.selection import RewardChoice, Selection
+from rollout_ledger.client.tables import to_table
 from rollout_ledger.services.recorder.assembly import StepRecord, Trajectory, TurnRecord, assemble
 from rollout_ledger.shared.errors import SchemaError
 

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollout_ledger.services.exporter.records import SCHEMAS, Unit, records
-from rollout_ledger.services.exporter.rows import Chunk, sampled_of, unpack
-from rollout_ledger.services.exporter.tables import json_column, json_rows, slices, table, to_table
+from rollout_ledger.client.records import SCHEMAS, Unit, records
+from rollout_ledger.client.rows import Chunk, sampled_of, unpack
+from rollout_ledger.client.tables import json_column, json_rows, slices, table, to_table
 from rollout_ledger.services.exporter.writers import write_file
 from rollout_ledger.shared.errors import SchemaError
 from tests.unit.test_export_records import _assembled, two_segment_row

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TOPS = ("cli", "shared", "services", "migrations")
+TOPS = ("cli", "client", "shared", "services", "migrations")
 SHARED_BETWEEN_SERVICES = {"envs", "catalog"}
 
 
