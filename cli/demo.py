@@ -241,6 +241,69 @@ def run_rl_demo(iterations: int = 6, num_tasks: int = 8, group_size: int = 4, co
     return 0 if ok else 1
 
 
+TRL_TRAINER = Path(__file__).resolve().parents[1] / "examples" / "trl" / "train.py"
+_TRL_COLUMNS = ("step", "batch_id", "mean_reward", "sampled_tokens", "sampled_by", "published", "wait_s", "serve_s",
+                "step_s")
+
+
+def run_trl_demo(steps: int = 6, num_tasks: int = 8, group_size: int = 4, console: Console | None = None,
+                 trainer_args: tuple[str, ...] = (), engine: str = "vllm",
+                 inspect: Callable[[DevStack, list[dict[str, Any]]], None] | None = None) -> int:
+    """Start the stack (vLLM, float32) and train SmolLM2 with the real TRL ``GRPOTrainer`` fed by the ledger
+    (examples/trl/train.py, the client package's TRL adapter) for ``steps`` optimizer steps; prints the reward
+    per step; 0 when every step ran. ``inspect`` (tests) gets the stack and the steps before everything stops."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=160)
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        console.print("[red]TRL is not installed: pip install 'rollout-ledger[trl]' (make install has it)[/red]")
+        return 2
+    if not TRL_TRAINER.is_file():
+        console.print(f"[red]the TRL example is not here ({TRL_TRAINER}): run `rollout demo --trl` from a "
+                      "checkout of the repository[/red]")
+        return 2
+    t0 = time.monotonic()
+    console.print(f"[bold]Rollout Ledger + TRL[/bold] — TRL's GRPOTrainer trains SmolLM2-135M-Instruct on the CPU "
+                  f"from the ledger: {steps} steps of {num_tasks} single-digit additions x {group_size} samples")
+    extra_env = {"ROLLOUT_VLLM_DTYPE": os.environ.get("ROLLOUT_VLLM_DTYPE", "float32")}
+    code = 1
+    results: list[dict[str, Any]] = []
+    with DevStack(scheduler_port=None, engine=engine, echo=console.print, extra_env=extra_env) as stack:
+        console.print(f"services up in {time.monotonic() - t0:.1f}s\n{stack.describe().rsplit(chr(10), 1)[0]}")
+        metrics = stack.infra.root / "trl-metrics.jsonl"
+        model = os.environ.get("ROLLOUT_MODEL") or str(default_model_dir())
+        cmd = [sys.executable, str(TRL_TRAINER), "--scheduler-url", stack.scheduler_url,
+               "--database-url", stack.infra.database_url, "--model", model, "--out", str(stack.infra.root / "trl"),
+               "--steps", str(steps), "--num-tasks", str(num_tasks), "--group-size", str(group_size),
+               "--metrics-out", str(metrics), *trainer_args]
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ROLLOUT_API_TOKEN": stack.api_token}
+        t_train = time.monotonic()
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                console.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
+            code = proc.wait()
+        results = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        table = Table(title="TRL on the ledger (reward per step)")
+        for col in _TRL_COLUMNS:
+            table.add_column(col, justify="right")
+        for r in results:
+            table.add_row(*(_cell(r.get(c)) for c in _TRL_COLUMNS))
+        console.print(table)
+        console.print(f"{time.monotonic() - t_train:.0f}s of training (generate on the ledger, read through the "
+                      "consumer cursor, TRL's step, save, publish, every worker serving)")
+        if inspect is not None:
+            inspect(stack, results)
+    ok = code == 0 and len(results) == steps
+    verdict = "[green]ok[/green]" if ok else f"[red]the trainer stopped (exit {code})[/red]"
+    console.print(f"\n{len(results)}/{steps} steps: {verdict}; demo took {time.monotonic() - t0:.1f}s, everything "
+                  "stopped.")
+    return 0 if ok else 1
+
+
 def _print_rl_summary(console: Console, results: list[dict[str, Any]], wall_s: float) -> None:
     table = Table(title="closed loop (the trainer's metrics)")
     for col in _RL_COLUMNS:

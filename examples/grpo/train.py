@@ -53,14 +53,14 @@ from typing import Any
 # (the inference worker's engine, another job) wants the same cores, as on a 2-core machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import httpx
 import numpy as np
 import psycopg
 import torch
+from transformers import AutoModelForCausalLM
 
-from rollout_ledger.client.reader import Selection, TrajectoryReader
+from rollout_ledger.client import Batch, LedgerClient, SchedulerError, Selection, TrajectoryReader
+from rollout_ledger.client.audits import AuditRow, stats, write_rows
 from rollout_ledger.client.source import libpq_url
-from rollout_ledger.services.exporter.audit import AuditRow, load_model, stats, write_rows
 from rollout_ledger.shared.kit.settings import default_model_dir
 
 ENV = "arithmetic"
@@ -263,8 +263,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         if config.threads:
             torch.set_num_threads(config.threads)
-        headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
-        self.http = httpx.Client(base_url=config.scheduler_url.rstrip("/"), headers=headers, timeout=60.0)
+        self.ledger = LedgerClient(config.scheduler_url, config.token, timeout=60.0)
         self.base = Path(config.model or os.environ.get("ROLLOUT_MODEL") or default_model_dir())
         self.out = Path(config.out) if config.out else Path(tempfile.mkdtemp(prefix="rollout-grpo-"))
         self.out.mkdir(parents=True, exist_ok=True)
@@ -277,7 +276,7 @@ class Trainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        self.model = load_model(self.checkpoint)
+        self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32).eval()
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=(0.9, 0.99),
                                            weight_decay=0.0)
@@ -290,19 +289,15 @@ class Trainer:
 
     def close(self) -> None:
         self.reader.close()
-        self.http.close()
+        self.ledger.close()
 
     # --- the scheduler -------------------------------------------------------------------------------------------
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        resp = self.http.request(method, path, **kwargs)
-        if resp.status_code >= 400:
-            raise TrainerError(f"{method} {path} -> {resp.status_code}: {resp.text[:500]}")
-        return resp.json()
-
     def _policy(self) -> dict[str, Any]:
-        policy: dict[str, Any] = self._call("GET", "/v1/policy")
-        return policy
+        try:
+            return self.ledger.policy()
+        except SchedulerError as exc:
+            raise TrainerError(str(exc)) from exc
 
     def submit(self, iteration: int) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -311,8 +306,13 @@ class Trainer:
             "sampling": {"temperature": self.cfg.temperature, "max_tokens": self.cfg.max_tokens},
             "metadata": {"trainer": f"grpo-{self.run_id}", "iteration": iteration, "policy_version": self.version},
         }
-        created: dict[str, Any] = self._call("POST", "/v1/batches", json=body)
-        return created
+        return self._submit(body)
+
+    def _submit(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self.ledger.submit(**body)
+        except SchedulerError as exc:
+            raise TrainerError(str(exc)) from exc
 
     def submit_stream(self) -> dict[str, Any]:
         """The pipelined mode's one batch: every iteration's tasks, admitted ``num_tasks`` groups per version."""
@@ -324,85 +324,80 @@ class Trainer:
             "max_staleness": k, "episodes_per_version": self.cfg.num_tasks * self.cfg.group_size,
             "metadata": {"trainer": f"grpo-{self.run_id}", "policy_version": self.version},
         }
-        created: dict[str, Any] = self._call("POST", "/v1/batches", json=body)
+        created = self._submit(body)
         self.echo(f"batch {created['batch_id']}: {created['num_episodes']} episodes, max_staleness {k}: "
                   f"{created['num_published']} admitted now, {created['num_waiting']} waiting for the trainer")
         return created
 
     def wait_batch(self, batch_id: str) -> dict[str, Any]:
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while True:
-            info: dict[str, Any] = self._call("GET", f"/v1/batches/{batch_id}")
-            if info["done"]:
-                return info
-            if time.monotonic() > deadline:
-                raise TrainerError(f"batch {batch_id} not done after {self.cfg.timeout_s}s: {info['counts']}")
-            time.sleep(0.25)
+        try:
+            return self.ledger.wait_batch(batch_id, timeout_s=self.cfg.timeout_s)
+        except SchedulerError as exc:
+            raise TrainerError(str(exc)) from exc
 
     def push(self, version: int, checkpoint: Path, notes: dict[str, Any]) -> float:
         """Announce ``checkpoint`` as ``version`` and wait until every inference worker serves it (seconds)."""
-        began = time.monotonic()
-        self._call("POST", "/v1/policy/versions", json={"version": version, "checkpoint": str(checkpoint),
-                                                        "mode": self.cfg.mode, "notes": json.dumps(notes)})
-        self.wait_serving(version)
-        return time.monotonic() - began
+        try:
+            return self.ledger.publish_version(version, checkpoint, mode=self.cfg.mode, notes=json.dumps(notes),
+                                               timeout_s=self.cfg.timeout_s)
+        except SchedulerError as exc:
+            raise TrainerError(str(exc)) from exc
 
     def wait_serving(self, version: int) -> None:
         """Until every inference worker reporting in ``GET /v1/policy`` (at least one) serves ``version``."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while True:
-            workers = self._policy()["workers"]
-            failed = [w for w in workers if w["version"] == version and w["state"] == "failed"]
-            if failed:
-                raise TrainerError(f"inference worker {failed[0]['worker_id']} failed to load version {version}: "
-                                   f"{failed[0]['error']}")
-            if workers and all(w["serving"] == version for w in workers):
-                return
-            if time.monotonic() > deadline:
-                raise TrainerError(f"version {version} not served by every worker after {self.cfg.timeout_s}s: "
-                                   + ", ".join(f"{w['worker_id']} serves {w['serving']} ({w['state']})"
-                                               for w in workers))
-            time.sleep(0.1)
+        try:
+            self.ledger.wait_served(version, timeout_s=self.cfg.timeout_s)
+        except SchedulerError as exc:
+            raise TrainerError(str(exc)) from exc
 
     # --- the ledger ----------------------------------------------------------------------------------------------
 
     def read(self, batch_id: str, expected: int, groups: int | None = None) -> list[Trajectory]:
         """The batch's complete groups through the consumer cursor (acknowledged as read): ``expected``
-        trajectories, or with ``groups`` exactly that many groups (one feed entry a read: a complete group is
-        delivered whole with the entry of its last member, so no read takes more than one group)."""
+        trajectories, or with ``groups`` exactly that many groups (``TrajectoryReader.read_groups``)."""
         self.reader.sel = dataclasses.replace(self.selection, batch_ids=(batch_id,))
-        if groups is not None:
-            self.reader.batch_size = 1
         out: list[Trajectory] = []
-        delivered = 0
-        seen: set[str] = set()
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while (delivered < expected) if groups is None else (len(seen) < groups):
-            batch = self.reader.next_batch()
+        if groups is not None:
+            batch = self.reader.read_groups(groups, timeout_s=self.cfg.timeout_s)
             if batch is None:
+                raise TrainerError(f"{groups} complete groups of batch {batch_id} not readable after "
+                                   f"{self.cfg.timeout_s}s")
+            out += self._trajectories(batch)
+            return out
+        delivered = 0
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while delivered < expected:
+            got = self.reader.next_batch()
+            if got is None:
                 if time.monotonic() > deadline:
                     if delivered:
                         break
                     raise TrainerError(f"nothing of batch {batch_id} readable after {self.cfg.timeout_s}s")
                 time.sleep(0.2)
                 continue
-            cols = batch.numpy()
-            delivered += len(batch)
-            seen.update(str(g) for g in cols["group_id"])
-            for i in range(len(batch)):
-                mask = np.asarray(cols["loss_mask"][i])
-                positions = np.flatnonzero(mask == 1)
-                if positions.size == 0 or cols["advantage"][i] is None or np.isnan(cols["advantage"][i]):
-                    continue
-                out.append(Trajectory(
-                    episode_id=str(cols["episode_id"][i]), attempt=int(cols["attempt"][i]),
-                    batch_id=str(cols["batch_id"][i]), group_id=str(cols["group_id"][i]),
-                    reward=float(cols["reward"][i]), advantage=float(cols["advantage"][i]),
-                    token_ids=np.asarray(cols["token_ids"][i], dtype=np.int64),
-                    segments=[list(s) for s in cols["segments"][i]], positions=positions,
-                    inference_logprobs=np.asarray(cols["logprobs"][i], dtype=np.float32)[positions],
-                    versions=np.asarray(cols["weight_versions"][i])[positions]))
-            batch.ack()
+            delivered += len(got)
+            out += self._trajectories(got)
+        return out
+
+    @staticmethod
+    def _trajectories(batch: Batch) -> list[Trajectory]:
+        """The trainable trajectories of a delivery (acknowledged: the cursor moves past it)."""
+        cols = batch.numpy()
+        out: list[Trajectory] = []
+        for i in range(len(batch)):
+            mask = np.asarray(cols["loss_mask"][i])
+            positions = np.flatnonzero(mask == 1)
+            if positions.size == 0 or cols["advantage"][i] is None or np.isnan(cols["advantage"][i]):
+                continue
+            out.append(Trajectory(
+                episode_id=str(cols["episode_id"][i]), attempt=int(cols["attempt"][i]),
+                batch_id=str(cols["batch_id"][i]), group_id=str(cols["group_id"][i]),
+                reward=float(cols["reward"][i]), advantage=float(cols["advantage"][i]),
+                token_ids=np.asarray(cols["token_ids"][i], dtype=np.int64),
+                segments=[list(s) for s in cols["segments"][i]], positions=positions,
+                inference_logprobs=np.asarray(cols["logprobs"][i], dtype=np.float32)[positions],
+                versions=np.asarray(cols["weight_versions"][i])[positions]))
+        batch.ack()
         return out
 
     def engines(self, trajectories: list[Trajectory]) -> dict[str, str]:
