@@ -198,7 +198,9 @@ class Cursors:
         """The feed entries up to the one that completes the ``groups``-th complete group the selection delivers,
         and exactly those groups' rows; None when fewer are readable among the next ``limit`` entries (nothing is
         taken: a later read finds them with the rest). Groups that complete earlier and select nothing are stepped
-        over; groups that complete later stay for the next read. Call inside a transaction."""
+        over; groups that complete later stay for the next read. A read of no rows (``rows`` empty) only steps over
+        a full window's leading entries that select nothing: advance past it without a delivery and read again.
+        Call inside a transaction."""
         if not sel.complete_groups:
             raise CursorError("reading whole groups needs a selection with complete_groups")
         state = self.state()
@@ -211,14 +213,23 @@ class Cursors:
         later = {r[0] for r in self.conn.execute(_LATER_IN_GROUP, {"groups": sorted(last), "xid": end.xid,
                                                                     "seq": end.seq}).fetchall()}
         complete = sorted((i, g) for g, i in last.items() if g not in later)
-        if len(complete) < groups:
+        if not complete:
             return None
         # which of them the selection delivers (a narrow read: group ids only), in the order they completed
         narrow = fetch(self.conn, self.arrow, sel, Scope(groups=[g for _, g in complete]), fields=("group_id",))
-        delivered = set(narrow.values("group_id"))
+        delivered = set(narrow.values("group_id")) if len(narrow) else set()
         chosen = [(i, g) for i, g in complete if g in delivered][:groups]
         if len(chosen) < groups:
-            return None
+            if len(entries) < limit:
+                return None
+            # a full window without enough: step over its leading entries of groups that completed and select
+            # nothing (other batches, filtered out), so a consumer far behind still gets to its groups
+            done = {g for _, g in complete} - delivered
+            skip = next((k for k, e in enumerate(entries) if e[4] not in done), len(entries))
+            if skip == 0:
+                return None
+            return Read(pos, Position(int(entries[skip - 1][0]), int(entries[skip - 1][1])), skip, Chunk.empty(),
+                        state.deliveries)
         cut = chosen[-1][0]
         rows = fetch(self.conn, self.arrow, sel, Scope(groups=[g for _, g in chosen]))
         return Read(pos, Position(int(entries[cut][0]), int(entries[cut][1])), cut + 1, rows, state.deliveries)

@@ -121,6 +121,9 @@ class TrajectoryReader:
         while True:
             with self.conn.transaction():
                 read = self.cursors.read_groups(self.sel, groups, scan)
+                if read is not None and len(read.rows) == 0:  # a window that selects nothing: step over it
+                    self.cursors.advance(read, 0, delivery=False, sel=self.sel)
+                    continue
             if read is not None:
                 self._pending = Batch(table(read.rows, self.shape, self.unit), read, self)
                 return self._pending

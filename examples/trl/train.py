@@ -23,17 +23,21 @@ import os
 import random
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
+# TRL checks the vLLM beside it, which it does not use here (the ledger's workers generate)
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from rollout_ledger.client.adapters.trl import LedgerRollout, task_dataset
+from rollout_ledger.client.adapters.trl import LedgerRollout, task_dataset  # noqa: E402
 
 ENV = "arithmetic"
 
@@ -122,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     tasks = addition_tasks(rng, args.steps * args.num_tasks)
+    hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     ledger = LedgerRollout(args.scheduler_url, args.database_url, ENV, checkpoint_dir=out / "checkpoints",

@@ -81,3 +81,17 @@ def test_whole_groups_need_a_complete_groups_selection(database_url: str) -> Non
     with TrajectoryReader(database_url, "rx-groups", selection=Selection(), fmt="trl") as reader, \
             pytest.raises(CursorError, match="complete_groups"):
         reader.read_groups(1, timeout_s=0)
+
+
+def test_a_consumer_far_behind_steps_over_what_selects_nothing(database_url: str) -> None:
+    """More feed entries of other batches than one look takes: they are stepped over, the groups are read."""
+    seed_batch(database_url, "ro", [[Traj(), Traj()] for _ in range(6)])  # 12 entries of another batch first
+    seed_batch(database_url, "rs", [[Traj(), Traj()] for _ in range(2)])
+    sel = Selection(complete_groups=True, batch_ids=("rs",))
+    with TrajectoryReader(database_url, "rs-groups", selection=sel, fmt="trl") as reader:
+        batch = reader.read_groups(2, timeout_s=0, scan=5)
+        assert batch is not None and groups_of(batch) == ["rs.0", "rs.1"]
+        batch.ack()
+    deliveries, delivered = run(database_url, "SELECT deliveries, delivered FROM export_cursors "
+                                              "WHERE consumer = 'rs-groups'")[0]
+    assert (deliveries, delivered) == (1, 4), "stepping over is not a delivery"
