@@ -278,7 +278,8 @@ def policy_status(
 def _selection(batch: list[str] | None, env: list[str] | None, status: list[str] | None, reward_min: float | None,
                reward_max: float | None, since: str | None, until: str | None, version: int | None,
                max_staleness: int | None, complete_groups: bool, drop_uniform: bool, reward: str, advantage: str,
-               adv_epsilon: float, std_normalize: bool, beyond_staleness: str = "include") -> Any:
+               adv_epsilon: float, std_normalize: bool, beyond_staleness: str = "include",
+               single_segment: bool = False) -> Any:
     import datetime as dt
 
     from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec
@@ -300,7 +301,7 @@ def _selection(batch: list[str] | None, env: list[str] | None, status: list[str]
             version=version, max_staleness=max_staleness, complete_groups=complete_groups,
             drop_uniform=drop_uniform, reward=RewardChoice.parse(reward),
             advantage=AdvantageSpec(AdvantageKind(advantage), adv_epsilon, std_normalize),
-            beyond_staleness=BeyondStaleness(beyond_staleness))
+            beyond_staleness=BeyondStaleness(beyond_staleness), single_segment=single_segment)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
@@ -316,6 +317,8 @@ _VERSION = typer.Option(None, help="the trainer's weight version V (staleness wi
 _STALE = typer.Option(None, help="keep trajectories sampled at most k versions behind --version")
 _COMPLETE = typer.Option(False, help="only groups whose every episode is terminal with a selected trajectory")
 _UNIFORM = typer.Option(False, help="drop groups whose rewards are all equal")
+_SINGLE = typer.Option(False, help="only trajectories stored as one segment (for trainers that take one sequence "
+                                   "per sample)")
 _BEYOND = typer.Option("include", help="trajectories spanning more versions than their batch's max_staleness: "
                                        "include, exclude or only")
 
@@ -333,6 +336,7 @@ def export_cmd(
     max_staleness: int = _STALE,
     complete_groups: bool = _COMPLETE,
     drop_uniform: bool = _UNIFORM,
+    single_segment: bool = _SINGLE,
     beyond_staleness: str = _BEYOND,
     reward: str = typer.Option("rollout", help="reward to export: rollout (its own) or NAME@VERSION (rescored)"),
     advantage: str = typer.Option("grpo", help="group advantage: grpo, rloo or none (= the reward)"),
@@ -358,7 +362,8 @@ def export_cmd(
     settings = ExporterSettings()
     url = database_url or settings.reader_url()
     sel = _selection(batch, env, status, reward_min, reward_max, since, until, version, max_staleness,
-                     complete_groups, drop_uniform, reward, advantage, adv_epsilon, std_normalize, beyond_staleness)
+                     complete_groups, drop_uniform, reward, advantage, adv_epsilon, std_normalize, beyond_staleness,
+                     single_segment)
     try:
         shape, ext = shape_and_file_type(fmt, file_type)
         the_unit = Unit(unit)
@@ -491,10 +496,12 @@ def demo(
     rl: bool = typer.Option(False, "--rl", help="the closed loop instead: the GRPO trainer example "
                                                 "(examples/grpo/train.py) learns from the stack, on vLLM, pushing a "
                                                 "policy version per iteration"),
-    iterations: int = typer.Option(6, help="with --rl: training iterations (policy versions pushed)"),
-    max_staleness: int = typer.Option(None, help="with --rl: pipelined, one batch bounded at admission: generation "
-                                                 "runs at most K versions ahead of the trainer (default: a batch "
-                                                 "per iteration)"),
+    trl: bool = typer.Option(False, "--trl", help="TRL instead: the real GRPOTrainer (examples/trl/train.py) learns "
+                                                  "from the stack through the client's TRL adapter, on vLLM"),
+    iterations: int = typer.Option(6, help="with --rl / --trl: training iterations (policy versions pushed)"),
+    max_staleness: int = typer.Option(None, help="with --rl / --trl: pipelined, one batch bounded at admission: "
+                                                 "generation runs at most K versions ahead of the trainer (default: "
+                                                 "a batch per iteration)"),
     stay: bool = typer.Option(False, "--stay", help="keep the stack up after the summary, to open the viewer's "
                                                     "links, until Ctrl-C"),
 ) -> None:
@@ -502,8 +509,14 @@ def demo(
     links, and stop (--rl: train SmolLM2 with GRPO against the running stack for a few policy versions)."""
     from pathlib import Path
 
-    from rollout_ledger.cli.demo import run_demo, run_rl_demo
+    from rollout_ledger.cli.demo import run_demo, run_rl_demo, run_trl_demo
 
+    if rl and trl:
+        raise typer.BadParameter("--rl or --trl, not both")
+    if trl:
+        extra = ("--max-staleness", str(max_staleness)) if max_staleness is not None else ()
+        raise typer.Exit(run_trl_demo(steps=iterations, num_tasks=num_tasks or 8, group_size=group_size,
+                                      trainer_args=extra, engine=engine))
     if rl:
         if engine != "vllm":
             raise typer.BadParameter("the closed loop needs the real model: --engine vllm (ROLLOUT_ENGINE=vllm)")

@@ -12,8 +12,8 @@ when first used, because ``recorder/assembly.py`` writes ``loss_mask`` 1 exactly
 elsewhere, ``weight_versions`` the turn's version on its range and -1 elsewhere, and ``logprobs`` the engine's
 logprob on the ranges and 0.0 elsewhere.
 
-A ``Chunk`` is also a sequence of row dicts (arrays as views into the flat arrays) for per-row code: the
-``records.py`` mappers, JSONL, re-scoring. ``tables.py`` builds Arrow tables from the columns directly.
+A ``Chunk`` is also a sequence of row dicts (arrays as views into the flat arrays) for per-row code (re-scoring,
+tests). ``tables.py`` builds every record shape from the columns directly.
 ``unpack`` reads packed values row by row (a plain per-row query, as ``bench/export.py``'s straight path).
 """
 

@@ -1,9 +1,10 @@
 """Which trajectories an export takes, as one server-side SQL query (no Python filtering of the whole store).
 
-Row filters (batch, env, status, reward range, time range, weight-version window) apply first; the group filters
-(complete groups only, drop groups whose rewards are all equal) and the group advantages are computed over the
-rows that passed them, over narrow keys only; the wide fields are fetched for the rows finally selected, in
-(group, episode) order, the token arrays as packed little-endian bytes (``stream_query``; ``source.py`` reads it).
+Row filters (batch, env, status, reward range, time range, weight-version window, single segment) apply first;
+the group filters (complete groups only, drop groups whose rewards are all equal) and the group advantages are
+computed over the rows that passed them, over narrow keys only; the wide fields are fetched for the rows finally
+selected, in (group, episode) order, the token arrays as packed little-endian bytes (``stream_query``;
+``source.py`` reads it).
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class Selection:
     """Trajectories spanning more versions than their batch's ``max_staleness``: include, exclude or only them."""
     reward: RewardChoice | None = None
     advantage: AdvantageSpec = field(default_factory=AdvantageSpec)
+    single_segment: bool = False
+    """Keep only trajectories stored as one segment (``num_segments`` <= 1), for trainers that take one sequence
+    per sample: every context the policy saw extended the one before. A row filter: with ``complete_groups``, a
+    group with a multi-segment member is left out whole."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "beyond_staleness", BeyondStaleness(self.beyond_staleness))  # ValueError: unknown
@@ -89,6 +94,7 @@ class Selection:
             raise ValueError("time range is empty: since >= until")
 
     def as_json(self) -> dict[str, Any]:
+        """Every field as JSON (stored with a consumer's cursor; ``retention.stored_selection`` reads it back)."""
         out = asdict(self)
         out["reward"] = str(self.reward) if self.reward else "rollout"
         out["advantage"] = self.advantage.describe()
@@ -122,7 +128,7 @@ ROW_SQL = {
     "action_ranges": "t.action_ranges", "segments": "t.segments", "num_segments": "t.num_segments",
     "token_check": "t.token_check", "drifts": "t.drifts", "prompt_len": "t.prompt_len", "num_tokens": "t.num_tokens",
     "num_sampled_tokens": "t.num_sampled_tokens", "num_turns": "t.num_turns", "created_at": "t.created_at",
-    "task": "e.task", "prompt_text": "e.prompt_text",
+    "task": "e.task", "task_index": "e.task_index", "prompt_text": "e.prompt_text",
 }
 """Each field of a stored row and the SQL that reads it. ``token_ids`` comes as its packed little-endian copy,
 ``logprobs`` as the packed logprobs of the sampled tokens only (``sampled_logprobs_le``); ``loss_mask`` and
@@ -186,6 +192,8 @@ def _filters(sel: Selection, scope: Scope | None = None) -> _Filters:
     if sel.reward_max is not None:
         where.append(f"{reward} <= %(reward_max)s")
         params["reward_max"] = sel.reward_max
+    if sel.single_segment:  # a trajectory without recorded segments is read as one (``Chunk.build``)
+        where.append("t.num_segments <= 1")
     if sel.since is not None:
         where.append("t.created_at >= %(since)s")
         params["since"] = sel.since

@@ -1,15 +1,17 @@
-"""Arrow tables of each record shape: ``table`` builds one from a ``Chunk`` column by column; ``to_table`` from
-records (``records.records``, one dict each) is the reference it equals (tests/unit/test_export_tables.py holds
-them equal), without a Python dict per record or a Python object per token.
+"""Arrow tables of each record shape: ``table`` builds every record of a ``Chunk`` column by column, and is the one
+definition of each shape (Parquet and the Python API take its table; JSONL and the examples its rows, ``records``),
+without a Python dict per record or a Python object per token.
 
 A token column of a sample shape is one gather from the chunk's flat array (``[start, end)`` of every sample, as
 numpy index arithmetic); the full record's token columns are the flat arrays themselves under the chunk's offsets
 (no copy). What stays per sample in Python is small: its span, its trained ranges, weight versions and JSON text.
+tests/unit/test_export_records.py and test_export_tables.py hold each shape to hand-computed records.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -17,38 +19,20 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollout_ledger.client.records import SCHEMAS, SLIME_STATUS, Unit
+from rollout_ledger.client.records import SCHEMAS, SLIME_STATUS, Unit, json_fields
 from rollout_ledger.client.rows import Chunk, by_code, offsets, runs
 
 
-def _json_text(v: Any) -> Any:
-    if isinstance(v, dict | list):
-        return orjson.dumps(v, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
-    return v
+def _json_text(v: Any) -> str | None:
+    """The JSON text of ``v`` (sorted keys); None stays None (a null field)."""
+    if v is None:
+        return None
+    return orjson.dumps(v, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
 
 
 def _numpy_type(typ: pa.DataType) -> np.dtype[Any]:
     """The numpy dtype of a numeric Arrow type (``DataType.to_pandas_dtype`` looks for pandas on every call)."""
     return np.dtype(("f" if pa.types.is_floating(typ) else "i") + str(typ.bit_width // 8))
-
-
-def _list_column(values: Sequence[Any], typ: pa.ListType) -> pa.Array:
-    """A ``list<number>`` column from numpy arrays in one concatenation (no per-element Python)."""
-    value_type = typ.value_type
-    if not values or not all(isinstance(v, np.ndarray) for v in values):
-        return pa.array([None if v is None else list(v) for v in values], type=typ)
-    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
-    offsets = np.zeros(len(values) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate(values).astype(_numpy_type(value_type), copy=False)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
-
-
-def text_column(values: Sequence[Any], typ: pa.DataType) -> pa.Array:
-    """A string column; when any value is a dict or list, those values become JSON text (sorted keys)."""
-    if any(isinstance(v, dict | list) for v in values):
-        return pa.array(_each_once(values, _json_text), type=typ)
-    return pa.array(values, type=typ)
 
 
 def _each_once(values: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
@@ -60,21 +44,6 @@ def _each_once(values: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
     _, first, inverse = np.unique(np.fromiter(map(id, values), np.int64, len(values)), return_index=True,
                                   return_inverse=True)
     return by_code([fn(values[i]) for i in first.tolist()], inverse.reshape(-1))
-
-
-def to_table(records: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:
-    """An Arrow table of ``records`` with ``schema`` (dict and list-of-dict fields become JSON text)."""
-    columns: list[pa.Array] = []
-    for f in schema:
-        values = [r[f.name] for r in records]
-        if pa.types.is_list(f.type) and (pa.types.is_integer(f.type.value_type)
-                                         or pa.types.is_floating(f.type.value_type)):
-            columns.append(_list_column(values, f.type))
-        elif pa.types.is_string(f.type):
-            columns.append(text_column(values, f.type))
-        else:
-            columns.append(pa.array(values, type=f.type))
-    return pa.Table.from_arrays(columns, schema=schema)
 
 
 class Samples:
@@ -170,10 +139,10 @@ def _positions(lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
 
 
 def span_versions(s: Samples, lo: np.ndarray) -> pa.Array:
-    """Sorted distinct weight versions of the sampled turns starting in ``[lo[k], end[k])`` of each sample k (as
-    ``records._versions``), as one ``list<int32>`` column: each non-empty range with a version is assigned to the
-    sample it starts in by one ``searchsorted`` when the windows are disjoint (samples are ordered in the chunk's
-    positions); overlapping windows (per-turn samples over their whole segment) are counted one by one."""
+    """Sorted distinct weight versions of the sampled turns starting in ``[lo[k], end[k])`` of each sample k, as
+    one ``list<int32>`` column: each non-empty range with a version is assigned to the sample it starts in by one
+    ``searchsorted`` when the windows are disjoint (samples are ordered in the chunk's positions); overlapping
+    windows (per-turn samples over their whole segment) are counted one by one."""
     rlo, rhi, rv = s.chunk.ranges.lo, s.chunk.ranges.hi, s.chunk.ranges.versions
     assert rv is not None
     keep = (rhi > rlo) & (rv >= 0)
@@ -190,8 +159,8 @@ def span_versions(s: Samples, lo: np.ndarray) -> pa.Array:
     return _list((pairs & 0xFFFFFFFF).astype(np.int32), _offsets(counts), pa.list_(pa.int32()))
 
 
-def json_column(values: Sequence[Any]) -> list[str]:
-    """JSON text of each value (sorted keys), as ``text_column`` writes dicts and lists."""
+def json_column(values: Sequence[Any]) -> list[str | None]:
+    """JSON text of each value (sorted keys; None stays null): what a field marked ``records.JSON_TEXT`` holds."""
     return [_json_text(v) for v in values]
 
 
@@ -231,7 +200,7 @@ def _factorize(values: Sequence[Any] | pa.Array) -> tuple[np.ndarray, int]:
         return np.arange(n, dtype=np.int64), n
 
 
-def json_rows(columns: dict[str, Sequence[Any] | pa.Array]) -> list[str]:
+def json_rows(columns: dict[str, Sequence[Any] | pa.Array]) -> list[str | None]:
     """``json_column`` of the dicts ``{name: columns[name][i]}`` for every i, dumping each distinct row once
     (records of a chunk repeat the same few values: turns, statuses, rewards)."""
     names = list(columns)
@@ -264,14 +233,17 @@ def _pylist(values: Sequence[Any] | pa.Array, at: np.ndarray | None = None) -> l
     return list(values) if at is None else [values[i] for i in at.tolist()]
 
 
-def _labels(s: Samples) -> list[str]:
-    return _each_once(s.json("task"), lambda t: orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode())
+def _labels(tasks: list[str | None]) -> list[str]:
+    """The task's JSON text (``_ids``'s ``task``) as a string label: a null task is ``"null"``."""
+    return ["null" if t is None else t for t in tasks]
 
 
 def _ids(s: Samples) -> dict[str, Any]:
+    """The fields every trainer shape carries: ids, the sample's place in its trajectory, the task and its index."""
     return {"episode_id": s.column("episode_id"), "group_id": s.column("group_id"),
             "batch_id": s.column("batch_id"), "env": s.column("env"), "attempt": s.column("attempt"),
-            "sample_index": s.index, "num_samples": s.count}
+            "sample_index": s.index, "num_samples": s.count, "task": _each_once(s.json("task"), _json_text),
+            "task_index": s.column("task_index")}
 
 
 def _text(value: str) -> pa.Scalar:
@@ -319,6 +291,8 @@ def _nested(spans_lo: np.ndarray, spans_hi: np.ndarray, row_offsets: np.ndarray,
 
 
 def _openrlhf(s: Samples) -> dict[str, Any]:
+    """OpenRLHF agent executor: ``observation_tokens`` + ``action_ranges`` + ``rollout_log_probs`` (every position,
+    0.0 where not sampled); ``action_ranges`` are the sample's trained spans, relative to its first token."""
     arr, f = s.chunk.arrays, SCHEMAS["openrlhf"]
     actions = trained_ranges(s, f.field("action_ranges").type)
     reward, advantage = s.column("reward"), s.column("advantage")
@@ -326,10 +300,11 @@ def _openrlhf(s: Samples) -> dict[str, Any]:
                       "num_sampled_tokens": s.column("num_sampled_tokens"),
                       "weight_versions": span_versions(s, s.start).to_pylist(), "reward_source": _sources(s),
                       "rollout_reward": s.column("rollout_reward")})
+    ids = _ids(s)
     return {
-        **_ids(s),
+        **ids,
         "prompt": _or(s.column("prompt_text"), ""),
-        "label": _labels(s),
+        "label": _labels(ids["task"]),
         "observation_tokens": slices(arr["token_ids"], s.start, s.end, f.field("observation_tokens").type),
         "action_ranges": actions,
         "rollout_log_probs": slices(arr["logprobs"], s.start, s.end, f.field("rollout_log_probs").type),
@@ -343,17 +318,21 @@ def _openrlhf(s: Samples) -> dict[str, Any]:
 
 
 def _slime(s: Samples) -> dict[str, Any]:
+    """slime ``Sample``: ``tokens`` = prompt + response, ``loss_mask`` and ``rollout_log_probs`` over the response
+    only, ``status`` completed / truncated / aborted (a failed trajectory is aborted), ``weight_versions`` as
+    strings."""
     arr, f = s.chunk.arrays, SCHEMAS["slime"]
     status = s.column("status")
     slime_status = pc.fill_null(pa.array(list(SLIME_STATUS.values()), pa.string()).take(
         pc.index_in(status, value_set=pa.array(list(SLIME_STATUS), pa.string()))), _text("aborted"))
     meta = json_rows({"reward_source": _sources(s), "rollout_reward": s.column("rollout_reward"),
                       "num_turns": s.column("num_turns"), "rollout_status": status})
+    ids = _ids(s)
     return {
-        **_ids(s),
+        **ids,
         "index": s.column("group_index"),
         "prompt": _or(s.column("prompt_text"), ""),
-        "label": _labels(s),
+        "label": _labels(ids["task"]),
         "tokens": slices(arr["token_ids"], s.start, s.end, f.field("tokens").type),
         "response_length": pa.array((s.end - s.prompt_end).astype(np.int32)),
         "loss_mask": slices(arr["loss_mask"], s.prompt_end, s.end, f.field("loss_mask").type),
@@ -367,6 +346,9 @@ def _slime(s: Samples) -> dict[str, Any]:
 
 
 def _verl(s: Samples) -> dict[str, Any]:
+    """verl ``DataProto`` row, unpadded: ``prompts``, ``responses``, ``response_mask``, ``attention_mask`` and
+    ``position_ids`` over prompt + response, ``rollout_log_probs`` over the response; ``uid`` = group id (what
+    verl's GRPO groups by)."""
     arr, f = s.chunk.arrays, SCHEMAS["verl"]
     return {
         **_ids(s),
@@ -384,6 +366,9 @@ def _verl(s: Samples) -> dict[str, Any]:
 
 
 def _trl(s: Samples) -> dict[str, Any]:
+    """TRL GRPO: ``prompt_ids``, ``completion_ids``, ``completion_mask`` (1 on every real completion token),
+    ``tool_mask`` (0 on environment/tool tokens; TRL trains on ``completion_mask * tool_mask``), ``logprobs``
+    (the sampling logprobs, 0.0 on tool tokens)."""
     arr, f = s.chunk.arrays, SCHEMAS["trl"]
     return {
         **_ids(s),
@@ -399,12 +384,13 @@ def _trl(s: Samples) -> dict[str, Any]:
 
 
 def _full(chunk: Chunk) -> dict[str, Any]:
+    """The whole stored record, one per trajectory (formats ``parquet`` and ``jsonl``)."""
     f, cols = SCHEMAS["full"], chunk.columns
     offsets = chunk.offsets.astype(np.int32)
     out: dict[str, Any] = {name: cols[name] for name in f.names if name in cols}
     out["reward_source"] = _or(cols["reward_source"], "rollout")
-    for name in ("task", "drifts"):  # JSON (text_column leaves a task that is a plain string as it is)
-        out[name] = text_column(chunk.json[name], f.field(name).type)
+    for name in json_fields(f):
+        out[name] = _each_once(chunk.json[name], _json_text)
     for name in ("token_ids", "loss_mask", "logprobs", "weight_versions"):
         out[name] = _list(chunk.arrays[name], offsets, f.field(name).type)
     base = chunk.offsets[:-1]
@@ -435,3 +421,38 @@ def table(chunk: Chunk, shape: str, unit: Unit = Unit.SEGMENT) -> pa.Table:
         else:
             columns.append(pa.array(v, type=field.type))
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _json_values(col: pa.Array) -> list[Any]:
+    """A column of JSON text parsed, each distinct text once (records that hold the same text share one value,
+    which readers must not change); null stays None."""
+    encoded = pc.dictionary_encode(col)
+    values = [*map(orjson.loads, encoded.dictionary.to_pylist()), None]  # the last one: null
+    codes = pc.fill_null(encoded.indices, pa.scalar(len(values) - 1, encoded.indices.type))
+    return by_code(values, codes.to_numpy())
+
+
+def rows_of(t: pa.Table) -> list[dict[str, Any]]:
+    """The records of a table of ``SCHEMAS`` as dicts, in its column order: number lists as numpy views of the
+    table's buffers (their values exactly, e.g. float32), the fields marked ``records.JSON_TEXT`` as the JSON
+    values they hold, every other field as Python values (nested lists, strings, datetimes...)."""
+    texts = set(json_fields(t.schema))
+    columns: list[list[Any]] = []
+    for f in t.schema:
+        col = t.column(f.name).combine_chunks()
+        if f.name in texts:
+            columns.append(_json_values(col))
+        elif pa.types.is_list(f.type) and (pa.types.is_integer(f.type.value_type)
+                                           or pa.types.is_floating(f.type.value_type)) and col.null_count == 0:
+            at = col.offsets.to_numpy().tolist()
+            values = col.values.to_numpy(zero_copy_only=False)
+            columns.append([values[a:b] for a, b in pairwise(at)])
+        else:
+            columns.append(col.to_pylist())
+    names = t.column_names
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
+
+
+def records(chunk: Chunk, shape: str, unit: Unit = Unit.SEGMENT) -> list[dict[str, Any]]:
+    """Every record of ``chunk`` in ``shape`` as a dict (JSONL, the examples): the rows of ``table`` (``rows_of``)."""
+    return rows_of(table(chunk, shape, unit))

@@ -1,4 +1,5 @@
-"""The example records of docs/export.md, produced by the real record functions from one two-segment trajectory.
+"""The example records of docs/export.md, produced by the real record build (``tables.records``) from one
+two-segment trajectory.
 
 ``python -m rollout_ledger.services.exporter.examples`` prints the block between the ``examples`` markers of
 docs/export.md; tests/unit/test_export_examples.py fails when the document and the code disagree.
@@ -12,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from rollout_ledger.client.records import SAMPLE_SHAPES, records
+from rollout_ledger.client.records import SAMPLE_SHAPES
+from rollout_ledger.client.rows import Chunk
+from rollout_ledger.client.tables import records
 
 BEGIN = "<!-- examples:begin (generated: python -m rollout_ledger.services.exporter.examples) -->"
 END = "<!-- examples:end -->"
@@ -29,7 +32,8 @@ def example_row() -> dict[str, Any]:
     return {
         "episode_id": "b1.3.1", "group_id": "b1.3", "batch_id": "b1", "group_index": 1, "env": "retail-orders",
         "attempt": 1, "status": "completed", "failure_class": None, "reward": 1.0, "rollout_reward": 1.0,
-        "advantage": 0.866, "group_size": 4, "task": {"seed": 3}, "prompt_text": "<|im_start|>user\n...",
+        "advantage": 0.866, "group_size": 4, "task": {"seed": 3}, "task_index": 3,
+        "prompt_text": "<|im_start|>user\n...",
         "token_ids": tok, "loss_mask": mask, "logprobs": lp, "weight_versions": wv,
         "action_ranges": [[4, 7], [15, 17]], "segments": [[0, 9], [9, 17]], "num_segments": 2,
         "token_check": "ok", "drifts": [{"turn": 1, "class": "history_rewrite"}], "prompt_len": 4,
@@ -54,10 +58,10 @@ def _json(rec: dict[str, Any]) -> str:
 
 
 def render() -> str:
-    row = example_row()
+    chunk = Chunk.from_rows([example_row()])
     out = [BEGIN, ""]
     for shape in (*SAMPLE_SHAPES, "full"):
-        recs = records(row, shape)
+        recs = records(chunk, shape)
         title = "parquet / jsonl (the full record)" if shape == "full" else shape
         what = ("one record per trajectory" if shape == "full"
                 else f"{len(recs)} samples, one per segment: the second one's prompt is the re-rendered context")

@@ -216,7 +216,8 @@ def stored_selection(doc: Any) -> Selection | None:
             statuses=tuple(doc.get("statuses") or ()), reward_min=doc.get("reward_min"),
             reward_max=doc.get("reward_max"), since=when("since"), until=when("until"), version=doc.get("version"),
             max_staleness=doc.get("max_staleness"), complete_groups=bool(doc.get("complete_groups")),
-            drop_uniform=bool(doc.get("drop_uniform")), reward=RewardChoice.parse(doc.get("reward") or ""),
+            drop_uniform=bool(doc.get("drop_uniform")), single_segment=bool(doc.get("single_segment")),
+            reward=RewardChoice.parse(doc.get("reward") or ""),
             beyond_staleness=BeyondStaleness(doc.get("beyond_staleness") or BeyondStaleness.INCLUDE))
     except (AttributeError, TypeError, ValueError) as exc:
         log.warning("consumer_selection_unreadable", selection=doc, error=str(exc))
@@ -228,7 +229,7 @@ def lag_query(sel: Selection | None) -> tuple[str, dict[str, Any]]:
     ``entries``, every feed entry after the cursor, and ``behind``, those of them the consumer would read into its
     selection: entries that announce a trajectory (not group markers), of the selection's batches (the feed
     carries ``batch_id``), whose episode's stored trajectory passes the selection's other row filters (env,
-    status, reward range, time range, weight-version window, a re-score to exist), built by the same
+    status, reward range, time range, weight-version window, single segment, a re-score to exist), built by the same
     ``selection._filters`` as a read's query. The group filters (complete groups, uniform rewards) are not
     applied: a read decides them per group when it takes the group's latest entry (a group still incomplete is
     delivered when its last member lands), so ``behind`` counts entries, not the records still to come.

@@ -1,6 +1,6 @@
 """Atomic Parquet / JSONL export files (written to ``<name>.partial``, fsynced, renamed) and the writing of chunks
 into them: Parquet takes each chunk as one columnar table (``tables.table``), gathered into row groups of about
-``row_group_bytes`` of Arrow data, JSONL record by record (``records.records``)."""
+``row_group_bytes`` of Arrow data, JSONL record by record, read off the same table (``tables.records``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollout_ledger.client.records import SCHEMAS, Unit, records
+from rollout_ledger.client.records import SCHEMAS, Unit
 from rollout_ledger.client.rows import Chunk
-from rollout_ledger.client.tables import table
+from rollout_ledger.client.tables import records, table
 from rollout_ledger.services.exporter.settings import ExporterSettings
 
 FILE_TYPES = ("parquet", "jsonl")
@@ -69,7 +69,7 @@ class AtomicWriter:
                     self._flush()
             n = t.num_rows
         else:
-            recs = [rec for row in chunk for rec in records(row, self.shape, self.unit)]
+            recs = records(chunk, self.shape, self.unit)
             self._fh.write(b"".join(jsonl_line(r) for r in recs))
             n = len(recs)
         self.count += n

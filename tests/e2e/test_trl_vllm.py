@@ -34,10 +34,10 @@ sampled tokens), float32 on both sides; the e2e closed loop measures ~5e-6 for t
 
 
 def test_trl_trains_two_steps_from_the_ledger(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import trl  # the pinned extra (make install has it): missing, the test fails
+
     from rollout_ledger.cli.demo import run_trl_demo
     from rollout_ledger.cli.modelstore import fetch
-
-    import trl  # the pinned extra (make install has it): missing, the test fails
 
     assert trl.__version__ == "1.16.0"
     require_vllm()

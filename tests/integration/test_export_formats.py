@@ -10,10 +10,11 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import pytest
 
+from rollout_ledger.client.reader import TrajectoryReader
 from rollout_ledger.client.records import SCHEMAS, Unit
 from rollout_ledger.client.selection import Selection
 from rollout_ledger.services.exporter.export import export, export_batch
-from tests.integration.export_data import Traj, arrays, seed_batch
+from tests.integration.export_data import Traj, arrays, run, seed_batch
 
 SEGMENTED = Traj(reward=0.0, status="truncated", segments=((4, ((3, 2), (2, 1))), (6, ((2, 0),))), versions=(1, 2, 2))
 PLAIN = Traj(reward=1.0)
@@ -133,3 +134,34 @@ def test_per_turn_unit_and_batch_helper(seeded: str, tmp_path: Path) -> None:
     assert second_turn["completion_ids"] == b.token_ids[9:11].tolist() and second_turn["tool_mask"] == [1, 1]
     demo = export_batch(seeded, "fb", tmp_path / "demo", "jsonl")
     assert demo.path.name == "fb.jsonl" and demo.records == 3
+
+
+@pytest.mark.parametrize("file_type", ["parquet", "jsonl"])
+def test_every_record_carries_its_task_and_task_index(database_url: str, tmp_path: Path, file_type: str) -> None:
+    """A stored batch of three tasks: every shape carries each record's task (JSON text in Parquet and the Python
+    API, the value in JSONL) and the task's index in its batch (``episodes.task_index``)."""
+    seed_batch(database_url, "tk", [[PLAIN, SEGMENTED], [PLAIN], [SEGMENTED, PLAIN]])
+    want = {"tk.0.0": 0, "tk.0.1": 0, "tk.1.0": 1, "tk.2.0": 2, "tk.2.1": 2}
+    assert run(database_url, "SELECT id, task_index FROM episodes ORDER BY id") == sorted(want.items())
+    for fmt in ("openrlhf", "slime", "verl", "trl", file_type):
+        res = export(database_url, Selection(batch_ids=("tk",)), tmp_path / f"{fmt}.{file_type}", fmt, file_type)
+        rows = read(res.path, file_type).to_pylist()
+        assert len(rows) == (5 if fmt == file_type else 7)  # trainer shapes: a sample per segment
+        for r in rows:
+            ti = want[r["episode_id"]]
+            assert r["task_index"] == ti, (fmt, r["episode_id"])
+            assert r["task"] == ({"seed": ti} if file_type == "jsonl" else '{"seed":' + str(ti) + "}"), fmt
+            if "label" in r:
+                assert json.loads(r["label"]) == {"seed": ti}
+        if file_type == "parquet":
+            schema = pq.read_schema(res.path)
+            assert schema.field("task_index").type == pa.int32()
+            assert schema.field("task").metadata == {b"rollout_ledger.json": b"true"}
+    with TrajectoryReader(database_url, "tasks", fmt="verl") as reader:  # a consumer's read takes them too
+        batch = reader.next_batch()
+        assert batch is not None
+        got = dict(zip(batch.table.column("episode_id").to_pylist(), batch.table.column("task_index").to_pylist(),
+                       strict=False))
+        assert got == want and batch.numpy()["task_index"].dtype.name == "int32"
+        assert set(batch.table.column("task").to_pylist()) == {'{"seed":0}', '{"seed":1}', '{"seed":2}'}
+        batch.ack()

@@ -1,9 +1,11 @@
-"""Selection in SQL: staleness window, complete groups, uniform groups, filters, advantages, versioned rewards."""
+"""Selection in SQL: staleness window, complete groups, uniform groups, filters, single-segment trajectories,
+advantages, versioned rewards."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec, group
 from rollout_ledger.client.selection import BeyondStaleness, RewardChoice, Selection
 from rollout_ledger.client.source import connect, connect_arrow, fetch
 from rollout_ledger.services.exporter.export import export
+from rollout_ledger.services.exporter.retention import lag_query, stored_selection
 from rollout_ledger.services.exporter.rewards import RewardError, RewardInput, rescore, resolve
 from tests.integration.export_data import Traj, run, seed_batch
 
@@ -182,3 +185,35 @@ def test_trajectories_beyond_their_batch_staleness_are_marked_and_selectable(dat
     assert out.exit_code == 0, out.output
     exported = [json.loads(line)["episode_id"] for line in (tmp_path / "k1.jsonl").read_text().splitlines()]
     assert exported == ["k1.0.1", "k1.0.2"]
+
+
+def test_single_segment_selection_drops_multi_segment_trajectories(database_url: str, tmp_path: Path) -> None:
+    two = ((4, ((2, 1),)), (5, ((2, 0),)))  # a second segment: the context was rendered again
+    seed_batch(database_url, "ss", [
+        [Traj(reward=1.0), Traj(reward=0.0, segments=two)],   # one member has two segments
+        [Traj(reward=1.0), Traj(reward=0.0)],                  # both one segment
+        [Traj(reward=0.5, segments=((4, ((2, 1), (3, 0))),))],  # two turns, one segment
+    ])
+    run(database_url, "UPDATE trajectories SET num_segments = 0, segments = '{}' WHERE episode_id = 'ss.1.1'")
+    assert run(database_url, "SELECT episode_id, num_segments FROM trajectories ORDER BY 1") == [
+        ("ss.0.0", 1), ("ss.0.1", 2), ("ss.1.0", 1), ("ss.1.1", 0), ("ss.2.0", 1)]
+    assert len(select(database_url, Selection())) == 5
+    single = Selection(single_segment=True)
+    rows = select(database_url, single)  # a trajectory without recorded segments is read as one
+    assert ids(rows) == ["ss.0.0", "ss.1.0", "ss.1.1", "ss.2.0"]
+    assert all(len(r["segments"]) == 1 for r in rows)
+    assert [r["group_size"] for r in rows] == [1, 2, 2, 1]  # group statistics over the selected members only
+    # a row filter: a group with a multi-segment member is not complete under it
+    assert ids(select(database_url, replace(single, complete_groups=True))) == ["ss.1.0", "ss.1.1", "ss.2.0"]
+    assert single.as_json()["single_segment"] is True
+    assert stored_selection(json.loads(json.dumps(single.as_json()))) == single  # what a consumer's cursor keeps
+    assert "t.num_segments <= 1" in lag_query(single)[0]
+    out = CliRunner().invoke(app, ["export", "--batch", "ss", "--single-segment", "--format", "slime",
+                                   "--file-type", "jsonl", "--database-url", database_url, "--out", str(tmp_path),
+                                   "--name", "s.jsonl"])
+    assert out.exit_code == 0 and out.output.startswith("4 records"), out.output  # one sample per trajectory
+    assert [json.loads(line)["episode_id"] for line in (tmp_path / "s.jsonl").read_text().splitlines()] == [
+        "ss.0.0", "ss.1.0", "ss.1.1", "ss.2.0"]
+    out = CliRunner().invoke(app, ["export", "--batch", "ss", "--format", "slime", "--file-type", "jsonl",
+                                   "--database-url", database_url, "--out", str(tmp_path), "--name", "all.jsonl"])
+    assert out.exit_code == 0 and out.output.startswith("6 records"), out.output  # ss.0.1: two samples

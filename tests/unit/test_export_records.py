@@ -1,16 +1,19 @@
-"""The exporter's pure parts: spans of segmented trajectories, each trainer shape, array decoding, advantages."""
+"""The exporter's pure parts: spans of segmented trajectories, each record shape (through its one definition,
+``tables.table``) against records computed by hand, array decoding, advantages, selections."""
 
 from __future__ import annotations
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pytest
 
+from rollout_ledger.client import tables
 from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec, group_advantages
-from rollout_ledger.client.records import SCHEMAS, Span, Unit, records, slime, spans, trl, verl
+from rollout_ledger.client.records import SCHEMAS, Span, Unit, json_fields, spans
 from rollout_ledger.client.rows import Chunk, rebuild_sampled, sampled_of, spread
 from rollout_ledger.client.selection import RewardChoice, Selection
-from rollout_ledger.client.tables import to_table
+from rollout_ledger.client.tables import records
 from rollout_ledger.services.recorder.assembly import StepRecord, Trajectory, TurnRecord, assemble
 from rollout_ledger.shared.errors import SchemaError
 
@@ -28,8 +31,8 @@ def two_segment_row() -> dict:
     return {
         "episode_id": "b.0.1", "group_id": "b.0", "batch_id": "b", "group_index": 1, "env": "e", "attempt": 2,
         "status": "truncated", "failure_class": None, "reward": 0.5, "rollout_reward": 0.5, "advantage": -1.25,
-        "group_size": 4, "task": {"q": 1}, "prompt_text": "hi", "token_ids": tok, "loss_mask": mask, "logprobs": lp,
-        "weight_versions": wv, "action_ranges": [[4, 7], [15, 17]], "segments": [[0, 9], [9, 17]],
+        "group_size": 4, "task": {"q": 1}, "task_index": 5, "prompt_text": "hi", "token_ids": tok, "loss_mask": mask,
+        "logprobs": lp, "weight_versions": wv, "action_ranges": [[4, 7], [15, 17]], "segments": [[0, 9], [9, 17]],
         "num_segments": 2, "token_check": "ok", "drifts": [{"turn": 1, "class": "history_rewrite"}],
         "prompt_len": 4, "num_tokens": 17, "num_sampled_tokens": 5, "num_turns": 2, "created_at": None,
         "reward_source": "rollout",
@@ -44,9 +47,14 @@ def test_segments_map_to_one_span_each_with_the_context_as_prompt() -> None:
     assert [(s.start, s.prompt_end, s.end) for s in spans(row)] == [(0, 4, 9), (12, 15, 17)]
 
 
+def one(row: dict, shape: str, unit: Unit = Unit.SEGMENT) -> list[dict]:
+    """The records of one trajectory, through the one definition (``tables.table``, read off by ``records``)."""
+    return records(Chunk.from_rows([row]), shape, unit)
+
+
 def test_openrlhf_sample_per_segment() -> None:
     row = two_segment_row()
-    first, second = records(row, "openrlhf")
+    first, second = one(row, "openrlhf")
     assert first["observation_tokens"].tolist() == list(range(100, 109))
     assert first["action_ranges"] == [[4, 7]]
     assert first["rollout_log_probs"].tolist() == pytest.approx([0, 0, 0, 0, -0.4, -0.5, -0.6, 0, 0])
@@ -56,45 +64,122 @@ def test_openrlhf_sample_per_segment() -> None:
     for rec in (first, second):
         assert rec["reward"] == 0.5 and rec["advantage"] == -1.25 and rec["truncated"] is True
         assert rec["group_id"] == "b.0" and rec["num_samples"] == 2
-        assert rec["label"] == '{"q":1}'
-    assert first["extra_logs"]["weight_versions"] == [3] and second["extra_logs"]["weight_versions"] == [4]
+        assert rec["label"] == '{"q":1}' and rec["prompt"] == "hi"
+        assert rec["scores"] == {"reward": 0.5, "advantage": -1.25}
+        assert rec["task"] == {"q": 1} and rec["task_index"] == 5
+    assert (first["sample_index"], second["sample_index"]) == (0, 1)
+    assert first["extra_logs"] == {"num_turns": 2, "prompt_len": 4, "num_sampled_tokens": 5, "weight_versions": [3],
+                                   "reward_source": "rollout", "rollout_reward": 0.5}
+    assert second["extra_logs"]["weight_versions"] == [4]
+
+
+def test_openrlhf_sample_per_turn() -> None:
+    first, second = one(two_segment_row(), "openrlhf", Unit.TURN)
+    assert first["observation_tokens"].tolist() == list(range(100, 107)) and first["action_ranges"] == [[4, 7]]
+    assert first["rollout_log_probs"].tolist() == pytest.approx([0, 0, 0, 0, -0.4, -0.5, -0.6])
+    assert second["observation_tokens"].tolist() == list(range(109, 117)) and second["action_ranges"] == [[6, 8]]
+    assert [r["extra_logs"]["weight_versions"] for r in (first, second)] == [[3], [4]]
+    assert [(r["sample_index"], r["num_samples"]) for r in (first, second)] == [(0, 2), (1, 2)]
 
 
 def test_slime_sample_masks_the_response_only() -> None:
-    rec = slime(two_segment_row(), Span(0, 4, 9, 0, 2))
+    rec, second = one(two_segment_row(), "slime")
     assert rec["tokens"].tolist() == list(range(100, 109))
     assert rec["response_length"] == 5
     assert rec["loss_mask"].tolist() == [1, 1, 1, 0, 0]
     assert rec["rollout_log_probs"].tolist() == pytest.approx([-0.4, -0.5, -0.6, 0, 0])
     assert rec["status"] == "truncated" and rec["weight_versions"] == ["3"] and rec["index"] == 1
+    assert rec["metadata"] == {"reward_source": "rollout", "rollout_reward": 0.5, "num_turns": 2,
+                               "rollout_status": "truncated"}
+    assert rec["label"] == '{"q":1}' and rec["task"] == {"q": 1} and rec["task_index"] == 5
+    assert second["tokens"].tolist() == list(range(109, 117)) and second["response_length"] == 2
+    assert second["loss_mask"].tolist() == [1, 1] and second["weight_versions"] == ["4"]
     row = two_segment_row()
     row["status"] = "failed"
-    assert slime(row, Span(0, 4, 9, 0, 1))["status"] == "aborted"
+    failed = one(row, "slime")
+    assert [r["status"] for r in failed] == ["aborted", "aborted"]
+    assert failed[0]["metadata"]["rollout_status"] == "failed"
+    turn, _ = one(two_segment_row(), "slime", Unit.TURN)
+    assert turn["tokens"].tolist() == list(range(100, 107)) and turn["response_length"] == 3
+    assert turn["loss_mask"].tolist() == [1, 1, 1] and turn["rollout_log_probs"].tolist() == pytest.approx(
+        [-0.4, -0.5, -0.6])
 
 
 def test_verl_and_trl_split_prompt_and_response() -> None:
     row = two_segment_row()
-    v = verl(row, Span(9, 15, 17, 1, 2))
+    _, v = one(row, "verl")
     assert v["prompts"].tolist() == list(range(109, 115)) and v["responses"].tolist() == [115, 116]
     assert v["response_mask"].tolist() == [1, 1] and v["attention_mask"].tolist() == [1] * 8
     assert v["position_ids"].tolist() == list(range(8)) and v["uid"] == "b.0"
-    t = trl(row, Span(0, 4, 9, 0, 2))
+    assert v["rollout_log_probs"].tolist() == pytest.approx([-1.5, -1.6])
+    assert (v["task"], v["task_index"], v["status"]) == ({"q": 1}, 5, "truncated")
+    t, _ = one(row, "trl")
     assert t["prompt_ids"].tolist() == [100, 101, 102, 103]
     assert t["completion_ids"].tolist() == [104, 105, 106, 107, 108]
     assert t["completion_mask"].tolist() == [1] * 5 and t["tool_mask"].tolist() == [1, 1, 1, 0, 0]
     assert t["logprobs"].tolist() == pytest.approx([-0.4, -0.5, -0.6, 0, 0])
+    assert (t["task"], t["task_index"]) == ({"q": 1}, 5)
+    v_turn, _ = one(row, "verl", Unit.TURN)
+    assert v_turn["prompts"].tolist() == [100, 101, 102, 103] and v_turn["responses"].tolist() == [104, 105, 106]
+    assert v_turn["attention_mask"].tolist() == [1] * 7 and v_turn["position_ids"].tolist() == list(range(7))
+    _, t_turn = one(row, "trl", Unit.TURN)
+    assert t_turn["prompt_ids"].tolist() == list(range(109, 115)) and t_turn["completion_ids"].tolist() == [115, 116]
+    assert t_turn["tool_mask"].tolist() == [1, 1] and t_turn["completion_mask"].tolist() == [1, 1]
+
+
+def test_full_record_is_the_stored_trajectory() -> None:
+    row = two_segment_row()
+    for unit in Unit:  # one record per trajectory, whatever the unit
+        (rec,) = one(row, "full", unit)
+        for name in ("token_ids", "loss_mask", "weight_versions"):
+            assert rec[name].tolist() == row[name].tolist() and rec[name].dtype == np.int32, name
+        assert rec["logprobs"].tobytes() == row["logprobs"].tobytes()
+        assert rec["action_ranges"] == [[4, 7], [15, 17]] and rec["segments"] == [[0, 9], [9, 17]]
+        assert rec["task"] == {"q": 1} and rec["drifts"] == [{"turn": 1, "class": "history_rewrite"}]
+        assert (rec["task_index"], rec["group_index"], rec["num_segments"], rec["attempt"]) == (5, 1, 2, 2)
+        assert (rec["reward"], rec["rollout_reward"], rec["advantage"], rec["reward_source"]) == (
+            0.5, 0.5, -1.25, "rollout")
+        assert rec["created_at"] is None and rec["failure_class"] is None
+    row.update(reward_source=None, drifts=None)
+    (rec,) = one(row, "full")
+    assert rec["reward_source"] == "rollout" and rec["drifts"] is None
 
 
 @pytest.mark.parametrize("shape", list(SCHEMAS))
-def test_every_shape_converts_to_its_arrow_schema(shape: str) -> None:
-    recs = records(two_segment_row(), shape)
-    table = to_table(recs, SCHEMAS[shape])
+def test_every_shape_is_one_table_and_its_records_are_its_rows(shape: str) -> None:
+    table = tables.table(Chunk.from_rows([two_segment_row()]), shape)
     assert table.schema == SCHEMAS[shape]
     assert table.num_rows == (1 if shape == "full" else 2)
-    back = table.to_pylist()[0]
-    for name, value in recs[0].items():
-        if isinstance(value, np.ndarray):
-            assert back[name] == pytest.approx(value.tolist())
+    marked = json_fields(table.schema)
+    assert marked == {"openrlhf": ("scores", "extra_logs", "task"), "slime": ("metadata", "task"),
+                      "verl": ("task",), "trl": ("task",), "full": ("task", "drifts")}[shape]
+    recs = tables.rows_of(table)
+    assert [list(r) for r in recs] == [table.column_names] * table.num_rows
+    for back, rec in zip(table.to_pylist(), recs, strict=True):
+        for name, value in rec.items():
+            if name in marked:  # JSON text in the table (sorted keys), its value in the record
+                assert back[name] == orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+            elif isinstance(value, np.ndarray):
+                assert back[name] == value.tolist()
+            else:
+                assert back[name] == value, name
+
+
+def test_json_text_holds_any_value_and_null_stays_null() -> None:
+    row = two_segment_row()
+    row.update(task="a text task", drifts=[])
+    (full,) = one(row, "full")
+    assert (full["task"], full["drifts"]) == ("a text task", [])
+    text = tables.table(Chunk.from_rows([row]), "full")
+    assert text.column("task").to_pylist() == ['"a text task"'] and text.column("drifts").to_pylist() == ["[]"]
+    first, _ = one(row, "trl")
+    assert first["task"] == "a text task"
+    row.update(task=None, drifts=None)
+    (full,) = one(row, "full")
+    assert full["task"] is None and full["drifts"] is None
+    first, _ = one(row, "openrlhf")
+    assert first["task"] is None and first["label"] == "null"
+    assert records(Chunk.from_rows([]), "slime") == []
 
 
 def _assembled(rng: np.random.Generator, index: int) -> Trajectory:
@@ -183,3 +268,5 @@ def test_selection_validates_its_windows() -> None:
     with pytest.raises(ValueError, match="NAME@VERSION"):
         RewardChoice.parse("judge")
     assert pa.types.is_list(SCHEMAS["slime"].field("weight_versions").type)
+    assert Selection().as_json()["single_segment"] is False
+    assert Selection(single_segment=True).as_json()["single_segment"] is True

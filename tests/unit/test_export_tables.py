@@ -1,6 +1,7 @@
-"""The columnar table builder (``tables.table``) produces exactly the table the per-record mappers give
-(``to_table(records(...))``), for every shape and unit, on random trajectories as the recorder assembles them
-(empty turns, several segments, several weight versions, no reward, failed and truncated ones)."""
+"""The columnar table builder (``tables.table``, the one definition of every record shape) gives exactly the
+records a plain per-sample reference computes (``expected``: Python slicing of each trajectory along
+``records.spans``), for every shape and unit, on random trajectories as the recorder assembles them (empty turns,
+several segments, several weight versions, no reward, failed and truncated ones); JSON text byte for byte."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollout_ledger.client.records import SCHEMAS, Unit, records
+from rollout_ledger.client.records import SCHEMAS, SLIME_STATUS, Unit, json_fields, spans
 from rollout_ledger.client.rows import Chunk, sampled_of, unpack
-from rollout_ledger.client.tables import json_column, json_rows, slices, table, to_table
+from rollout_ledger.client.tables import json_column, json_rows, records, slices, table
 from rollout_ledger.services.exporter.writers import write_file
 from rollout_ledger.shared.errors import SchemaError
 from tests.unit.test_export_records import _assembled, two_segment_row
@@ -35,6 +37,7 @@ def random_rows(seed: int, n: int) -> list[dict]:
             "status": STATUSES[int(rng.integers(0, 4))], "failure_class": None if rng.random() < 0.8 else "env",
             "reward": reward, "rollout_reward": reward, "advantage": None if reward is None else float(rng.normal()),
             "group_size": 4, "task": {"seed": i, "q": [1, {"b": 2, "a": None}]} if i % 3 else "a text task",
+            "task_index": i // 4,
             "prompt_text": None if i % 5 == 0 else f"prompt {i}", "token_ids": t.token_ids, "loss_mask": t.loss_mask,
             "logprobs": t.logprobs, "weight_versions": t.weight_versions, "action_ranges": t.action_ranges,
             "segments": t.segments, "num_segments": len(t.segments), "token_check": "ok" if i % 2 else None,
@@ -46,17 +49,90 @@ def random_rows(seed: int, n: int) -> list[dict]:
     return rows
 
 
+def _versions(row: dict, lo: int, hi: int) -> list[int]:
+    """Distinct weight versions of the sampled turns that start in [lo, hi)."""
+    wv = row["weight_versions"]
+    return sorted({int(wv[a]) for a, b in row["action_ranges"] if lo <= a < hi and b > a and wv[a] >= 0})
+
+
+def expected(row: dict, shape: str, unit: Unit) -> list[dict]:
+    """Each record of ``row`` in ``shape``, computed the plain way (one sample at a time, by slicing): the reference
+    the columnar build must equal."""
+    if shape == "full":
+        return [{**{k: row[k] for k in SCHEMAS["full"].names if k != "reward_source"},
+                 "reward_source": row["reward_source"] or "rollout"}]
+    out = []
+    for sp in spans(row, unit):
+        s, p, e = sp.start, sp.prompt_end, sp.end
+        tok, mask, lp = row["token_ids"], row["loss_mask"], row["logprobs"]
+        rec = {"episode_id": row["episode_id"], "group_id": row["group_id"], "batch_id": row["batch_id"],
+               "env": row["env"], "attempt": row["attempt"], "sample_index": sp.index, "num_samples": sp.count,
+               "reward": row["reward"], "advantage": row["advantage"], "status": row["status"],
+               "task": row["task"], "task_index": row["task_index"]}
+        label = orjson.dumps(row["task"], option=orjson.OPT_SORT_KEYS).decode()
+        source = row["reward_source"] or "rollout"
+        if shape == "openrlhf":
+            rec.update(prompt=row["prompt_text"] or "", label=label, observation_tokens=tok[s:e],
+                       action_ranges=[[max(a, p) - s, min(b, e) - s] for a, b in row["action_ranges"]
+                                      if a < e and b > p],
+                       rollout_log_probs=lp[s:e], truncated=row["status"] == "truncated",
+                       scores={"reward": row["reward"], "advantage": row["advantage"]},
+                       extra_logs={"num_turns": row["num_turns"], "prompt_len": row["prompt_len"],
+                                   "num_sampled_tokens": row["num_sampled_tokens"],
+                                   "weight_versions": _versions(row, s, e), "reward_source": source,
+                                   "rollout_reward": row["rollout_reward"]})
+        elif shape == "slime":
+            rec.update(index=row["group_index"], prompt=row["prompt_text"] or "", label=label, tokens=tok[s:e],
+                       response_length=e - p, loss_mask=mask[p:e], rollout_log_probs=lp[p:e],
+                       status=SLIME_STATUS.get(row["status"], "aborted"),
+                       weight_versions=[str(v) for v in _versions(row, p, e)],
+                       metadata={"reward_source": source, "rollout_reward": row["rollout_reward"],
+                                 "num_turns": row["num_turns"], "rollout_status": row["status"]})
+        elif shape == "verl":
+            rec.update(uid=row["group_id"], prompts=tok[s:p], responses=tok[p:e], response_mask=mask[p:e],
+                       attention_mask=np.ones(e - s, np.int32), position_ids=np.arange(e - s, dtype=np.int32),
+                       rollout_log_probs=lp[p:e])
+        else:
+            rec.update(prompt_ids=tok[s:p], completion_ids=tok[p:e], completion_mask=np.ones(e - p, np.int32),
+                       tool_mask=mask[p:e], logprobs=lp[p:e])
+        out.append(rec)
+    return out
+
+
+def _same(got: object, want: object) -> bool:
+    """Equal values of equal types (1, 1.0 and True differ; floats by their bits: 0.0 and -0.0 differ)."""
+    if isinstance(want, np.ndarray):
+        return isinstance(got, np.ndarray) and got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    if isinstance(want, float):
+        return type(got) is float and got.hex() == want.hex()
+    if isinstance(want, list | tuple):
+        return isinstance(got, list) and len(got) == len(want) and all(map(_same, got, want))
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    return type(got) is type(want) and got == want
+
+
 @pytest.mark.parametrize("unit", list(Unit))
 @pytest.mark.parametrize("shape", list(SCHEMAS))
-def test_columnar_table_equals_the_record_mappers(shape: str, unit: Unit) -> None:
+def test_columnar_table_equals_the_plain_reference(shape: str, unit: Unit) -> None:
     rows = [*random_rows(11, 300), two_segment_row()]
-    chunk = Chunk.from_rows(rows)
-    want = to_table([rec for row in rows for rec in records(row, shape, unit)], SCHEMAS[shape])
-    got = table(chunk, shape, unit)
-    assert got.schema == want.schema
-    assert got.num_rows == want.num_rows > 0
-    for name in want.column_names:
-        assert got.column(name).equals(want.column(name)), name
+    want = [rec for row in rows for rec in expected(row, shape, unit)]
+    got_table = table(Chunk.from_rows(rows), shape, unit)
+    got = records(Chunk.from_rows(rows), shape, unit)
+    assert got_table.schema == SCHEMAS[shape] and got_table.num_rows == len(got) == len(want) > 0
+    marked = json_fields(SCHEMAS[shape])
+    for name in SCHEMAS[shape].names:  # the JSON fields as text, byte for byte (sorted keys; null stays null)
+        if name in marked:
+            assert got_table.column(name).to_pylist() == json_column([w[name] for w in want]), name
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert list(g) == SCHEMAS[shape].names
+        for name in SCHEMAS[shape].names:
+            value = w[name]
+            if isinstance(value, np.ndarray):  # an array of the field's element type
+                value = value.astype(np.float32 if value.dtype.kind == "f" else np.int32)
+            elif name in marked and isinstance(value, list):  # values as their JSON text holds them
+                value = orjson.loads(orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY))
+            assert _same(g[name], value), (i, name, g[name], value)
 
 
 @pytest.mark.parametrize("shape", list(SCHEMAS))
