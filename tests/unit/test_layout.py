@@ -1,7 +1,8 @@
 """The layout shows the architecture, and stays that way: the import graph of the project's modules (read from the
 source with ``ast``, lazy imports inside functions included) has no cycles, ``shared/`` imports no service, a service
-imports no other service (the env library ``services/envs/`` and the catalog are shared), and only the CLI
-imports ``cli/``."""
+imports no other service (the env library ``services/envs/`` and the catalog are shared), the client package
+``client/`` imports only itself and ``shared/`` (the exporter, which writes its feed to files, is the one service that
+imports it), and only the CLI imports ``cli/``."""
 
 from __future__ import annotations
 
@@ -100,6 +101,10 @@ def test_imports_respect_the_boundaries(module: str) -> None:
             assert dep_area in (area, *SHARED_BETWEEN_SERVICES), f"service module {module} imports {dep}"
         if top != "cli":
             assert dep_top != "cli", f"{module} imports the CLI package ({dep})"
+        if top == "client":
+            assert dep_top in ("client", "shared"), f"client module {module} imports {dep} (a trainer installs it alone)"
+        if top == "services" and dep_top == "client":
+            assert area == "exporter", f"service module {module} imports the client package ({dep})"
 
 
 def test_the_contract_does_not_import_the_kit() -> None:
