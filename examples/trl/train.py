@@ -33,7 +33,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -143,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=ledger.reward,
                           train_dataset=task_dataset(tasks), args=config, rollout_func=ledger.rollout_func,
                           callbacks=[ledger.callback(), PrintSteps(ledger, metrics)])
+    trainer.remove_callback(PrinterCallback)  # TRL's log dicts: the step lines above say what matters
     if not args.no_importance_sampling:
         ledger.correct_importance_sampling(trainer)
     print(f"TRL GRPOTrainer on the ledger: {args.steps} steps of {args.num_tasks} tasks x {args.group_size}, "
