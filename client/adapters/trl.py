@@ -233,6 +233,7 @@ class LedgerRollout:
         self.steps.append({"call": self.calls, "batch_id": batch_id, "groups": groups, "rows": len(rows.reward),
                            "mean_reward": float(np.mean(rewards)) if rewards else None,
                            "sampled_tokens": int(sum(sum(m) for m in rows.env_mask)),
+                           "episodes": list(rows.episode_id),
                            "wait_s": round(time.monotonic() - began, 3)})
         return rows.output()
 

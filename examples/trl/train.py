@@ -100,7 +100,7 @@ class PrintSteps(TrainerCallback):  # type: ignore[misc]
             "mean_reward": step.get("mean_reward"), "sampled_tokens": step.get("sampled_tokens"),
             "sampled_by": self.ledger.version - 1 if self.ledger.max_staleness == 0 else None,
             "published": step.get("published"), "wait_s": step.get("wait_s"), "serve_s": step.get("serve_s"),
-            "step_s": round(time.monotonic() - self.began, 3)}
+            "step_s": round(time.monotonic() - self.began, 3), "episodes": step.get("episodes", [])}
         self.began = time.monotonic()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:

@@ -87,3 +87,52 @@ def test_trl_trains_two_steps_from_the_ledger(model_dir: str, monkeypatch: pytes
     assert [(versions, n) for _, versions, n in batches] == [([0], 16), ([1], 16)], batches
     # each trajectory delivered once through the adapter's consumer
     assert [d for _, d in seen["delivered"]] == [32]
+
+
+def test_trl_asynchronous_the_ledger_generates_ahead_within_max_staleness(model_dir: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--max-staleness 1``: one batch for the run, bounded at admission; each step reads exactly its groups, every
+    episode trained once; the next step's groups are generated while TRL trains (admitted one version ahead), and
+    TRL's importance-sampling correction weighs what is stale."""
+    from rollout_ledger.cli.demo import run_trl_demo
+    from rollout_ledger.cli.modelstore import fetch
+
+    require_vllm()
+    fetch(Path(model_dir), with_weights=True)
+    for name in ("NATS_URL", "DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ROLLOUT_MODEL", model_dir)
+    seen: dict[str, Any] = {}
+
+    def inspect(stack: DevStack, results: list[dict[str, Any]]) -> None:
+        seen["results"] = results
+        with psycopg.connect(libpq_url(stack.infra.database_url)) as conn:
+            seen["batches"] = conn.execute("SELECT id, max_staleness, episodes_per_version FROM batches").fetchall()
+            seen["versions"] = dict(conn.execute(
+                "SELECT episode_id, array_agg(DISTINCT weight_version ORDER BY weight_version) FROM turns "
+                "WHERE NOT superseded GROUP BY 1").fetchall())
+            seen["episode_admitted"] = dict(conn.execute("SELECT id, admitted_version FROM episodes").fetchall())
+            seen["admitted"] = dict(conn.execute(
+                "SELECT admitted_version, count(*) FROM episodes GROUP BY 1").fetchall())
+
+    console = Console(record=True, width=220, force_terminal=False)
+    code = run_trl_demo(steps=3, num_tasks=2, group_size=4, console=console, inspect=inspect,
+                        trainer_args=("--max-staleness", "1"))
+    out = console.export_text()
+    print(out)
+    assert code == 0, out
+    (batch,) = seen["batches"]
+    assert batch[1:] == (1, 8), "one batch for the run: max_staleness 1, one step's episodes per version"
+    results = seen["results"]
+    assert [(r["step"], r["published"], r["groups"]) for r in results] == [(1, 1, 2), (2, 2, 2), (3, 3, 2)]
+    taken = [e for r in results for e in r["episodes"]]
+    assert len(taken) == len(set(taken)) == 24, "each step its own groups, every episode trained once"
+    # generating ahead, bounded at admission: two steps' episodes (k + 1 versions' worth) started on version 0,
+    # before TRL had trained anything; one step's more on version 1; nothing waits for version 2
+    assert seen["admitted"] == {0: 16, 1: 8}, seen["admitted"]
+    for r in results:
+        holds = r["step"] - 1  # the version TRL holds while it trains step s (it publishes s after)
+        for episode in r["episodes"]:
+            versions = seen["versions"][episode]
+            # sampled after its admission, and before TRL read it (so by no version TRL had not published yet)
+            assert seen["episode_admitted"][episode] <= min(versions) and max(versions) <= holds, (r, versions)
