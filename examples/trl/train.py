@@ -137,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         output_dir=str(out / "trl"), per_device_train_batch_size=args.num_tasks * args.group_size,
         num_generations=args.group_size, max_steps=args.steps, learning_rate=args.learning_rate,
         max_completion_length=args.max_tokens, temperature=args.temperature, beta=0.0, seed=args.seed,
+        lr_scheduler_type="constant",  # as examples/grpo (TRL's default decays to 0 over max_steps)
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, use_vllm=False,
         dataloader_num_workers=0, disable_tqdm=True)
     metrics = Path(args.metrics_out) if args.metrics_out else None
