@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 
+from rollout_ledger.client import source
 from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec
 from rollout_ledger.client.selection import Selection, stream_query
 from rollout_ledger.client.source import _rendered, connect, connect_arrow, fetch, stream
-from rollout_ledger.services.exporter import source
 from rollout_ledger.shared.errors import StoreError
 from tests.integration.export_data import Traj, run, seed_batch
 
