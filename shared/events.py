@@ -33,8 +33,6 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
-    ValidationInfo,
-    field_validator,
     model_serializer,
 )
 
@@ -81,7 +79,8 @@ class SamplingParams(BaseModel):
     """New tokens per turn at most (also bounded by the context left)."""
     min_tokens: int = Field(0, ge=0, le=131072)
     """New tokens per turn at least: neither the end-of-turn id nor a stop string ends a turn before it (vLLM's
-    ``min_tokens``); a turn still ends at ``max_tokens`` or the context limit. 0: no floor."""
+    ``min_tokens``); a turn still ends at ``max_tokens`` or the context limit (the engines take the smaller of the
+    two; the REST API refuses a floor above ``max_tokens`` with a 400). 0: no floor."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings."""
     seed: int | None = None
@@ -104,14 +103,6 @@ class SamplingParams(BaseModel):
             if getattr(self, name) == type(self).model_fields[name].default:
                 out.pop(name, None)
         return out
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _floor_within_max(cls, value: int, info: ValidationInfo) -> int:
-        ceiling = info.data.get("max_tokens")
-        if ceiling is not None and value > ceiling:
-            raise ValueError(f"min_tokens ({value}) exceeds max_tokens ({ceiling})")
-        return value
 
 
 class ContextPolicy(BaseModel):

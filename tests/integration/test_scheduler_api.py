@@ -270,6 +270,15 @@ async def test_bad_input_is_422_naming_the_field(api: Api) -> None:
     assert await work_count(api.js) == 0
 
 
+async def test_a_min_tokens_floor_over_max_tokens_is_a_400_naming_the_field(api: Api) -> None:
+    r = await api.client.post("/v1/batches", json=body(sampling={"max_tokens": 16, "min_tokens": 17}))
+    assert r.status_code == 400, r.text
+    assert r.json()["detail"] == "sampling.min_tokens: 17 is over sampling.max_tokens 16: a turn ends at max_tokens"
+    ok = await api.client.post("/v1/batches", json=body(sampling={"max_tokens": 16, "min_tokens": 16}))
+    assert ok.status_code == 201, ok.text
+    assert await work_count(api.js) == 6  # 3 tasks x 2: the refused one published nothing
+
+
 async def test_unknown_env_lists_the_known_ones(api: Api) -> None:
     await register_env(api.js, "countdown")
     r = await api.client.post("/v1/batches", json=body(env="nope"))

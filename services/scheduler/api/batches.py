@@ -56,7 +56,8 @@ def _not_found(batch_id: str) -> HTTPException:
         200: {"model": BatchCreatedPublic, "description": "The batch existed with the same request"},
         400: {"model": ErrorPublic, "description": "Unknown env (the message lists the known ones), or "
                                                    "episodes_per_version that does not fit group_size or has no "
-                                                   "staleness bound (the message names the field)"},
+                                                   "staleness bound, or sampling.min_tokens over "
+                                                   "sampling.max_tokens (the message names the field)"},
         409: {"model": ErrorPublic, "description": "The batch id exists with a different request"},
         413: {"model": ErrorPublic, "description": "The body is over ROLLOUT_MAX_BODY_BYTES, the batch over "
                                                    "ROLLOUT_MAX_BATCH_EPISODES, a task over ROLLOUT_MAX_TASK_BYTES or "
@@ -101,6 +102,12 @@ async def create_batch(body: BatchCreate, state: StateDep, res: ResourcesDep, re
                 f"episodes_per_version: {body.episodes_per_version} is not a multiple of group_size "
                 f"{body.group_size}: admission starts whole groups",
             )
+    if body.sampling.min_tokens > body.sampling.max_tokens:
+        raise HTTPException(
+            status.HTTP_400_BAD_REQUEST,
+            f"sampling.min_tokens: {body.sampling.min_tokens} is over sampling.max_tokens "
+            f"{body.sampling.max_tokens}: a turn ends at max_tokens",
+        )
     rhash = request_hash(body)
     batch_id = body.batch_id or new_batch_id()
     with bound_contextvars(batch_id=batch_id):
