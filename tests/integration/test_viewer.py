@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -177,7 +178,12 @@ def _check_api(url: str, sql: Sql, batches: dict[str, str]) -> None:
 
 
 def _ready(page: Any) -> None:
-    page.wait_for_selector("main[data-ready=true]", timeout=30_000)
+    """Until the page the address names is rendered: ``data-route`` says which page ``data-ready`` is for (after a
+    hash change the previous page's ``ready`` stays until the viewer's handler runs)."""
+    path = urlsplit(page.url).fragment.split("?")[0] or "/batches"
+    page.wait_for_function("p => { const m = document.querySelector('main'); "
+                           "return m !== null && m.dataset.ready === 'true' && m.dataset.route === p; }",
+                           arg=path, timeout=30_000)
 
 
 AUDIT_DELTAS = [0.0, 3e-4, 3e-3, 3e-2, 0.3, math.nan]

@@ -73,7 +73,10 @@ function crumbs(...items) {
   document.getElementById("crumbs").replaceChildren(...items.map(([label, href]) => (href ? el("a", { href, text: label }) : el("span", { text: label }))));
 }
 
+let routeSeq = 0; // a route that a newer one overtook (two hash changes in a row) does not mark the page ready
+
 async function route() {
+  const seq = ++routeSeq;
   takeTokenFromHash();
   const [path, query] = location.hash.slice(1).split("?");
   const parts = (path || "/batches").split("/").filter(Boolean).map(decodeURIComponent);
@@ -86,8 +89,11 @@ async function route() {
     else if (parts[0] === "group" && parts[1] && parts[2]) await groupPage(parts[1], parts[2]);
     else if (parts[0] === "episode" && parts[1]) await episodePage(parts[1], params);
     else await batchesPage(params);
+    if (seq !== routeSeq) return;
+    view.dataset.route = path || "/batches"; // which page is ready (tests wait for theirs, not the one before)
     view.dataset.ready = "true";
   } catch (err) {
+    if (seq !== routeSeq) return;
     if (err instanceof Unauthorized) return askToken();
     view.replaceChildren(el("p", { class: "error", text: String(err.message || err) }));
     view.dataset.ready = "error";
