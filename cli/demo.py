@@ -188,6 +188,30 @@ def _pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
 
+def _demo_console(console: Console | None) -> Console:
+    if console is not None:
+        return console
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def _run_trainer(stack: DevStack, console: Console, script: Path, args: list[str],
+                 metrics: Path) -> tuple[int, list[dict[str, Any]]]:
+    """Run a trainer example against ``stack`` (its URLs, the model, the API token given), its output streamed to
+    ``console``; its exit code and the JSON lines it wrote to ``metrics``."""
+    model = os.environ.get("ROLLOUT_MODEL") or str(default_model_dir())
+    cmd = [sys.executable, str(script), "--scheduler-url", stack.scheduler_url,
+           "--database-url", stack.infra.database_url, "--model", model, *args, "--metrics-out", str(metrics)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ROLLOUT_API_TOKEN": stack.api_token}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            console.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
+        code = proc.wait()
+    results = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return code, results
+
+
 RL_TRAINER = Path(__file__).resolve().parents[1] / "examples" / "grpo" / "train.py"
 """The trainer ``rollout demo --rl`` runs (a checkout's file: the example is not part of the installed package)."""
 
@@ -201,10 +225,7 @@ def run_rl_demo(iterations: int = 6, num_tasks: int = 8, group_size: int = 4, co
     """Start the stack on vLLM (float32: the trainer's recomputation and the engine then agree to ~1e-5) and run
     ``iterations`` of the GRPO trainer against it, each on ``num_tasks`` x ``group_size`` episodes; 0 when every
     iteration ran. ``inspect`` (tests) gets the stack and the iterations' metrics before everything stops."""
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=160)
+    console = _demo_console(console)
     if not RL_TRAINER.is_file():
         console.print(f"[red]the trainer example is not here ({RL_TRAINER}): run `rollout demo --rl` from a "
                       "checkout of the repository[/red]")
@@ -216,21 +237,11 @@ def run_rl_demo(iterations: int = 6, num_tasks: int = 8, group_size: int = 4, co
     code = 1
     with DevStack(scheduler_port=None, engine="vllm", echo=console.print, extra_env=extra_env) as stack:
         console.print(f"services up in {time.monotonic() - t0:.1f}s\n{stack.describe().rsplit(chr(10), 1)[0]}")
-        metrics = stack.infra.root / "grpo-metrics.jsonl"
-        model = os.environ.get("ROLLOUT_MODEL") or str(default_model_dir())
-        cmd = [sys.executable, str(RL_TRAINER), "--scheduler-url", stack.scheduler_url,
-               "--database-url", stack.infra.database_url, "--model", model,
-               "--out", str(stack.infra.root / "checkpoints"), "--iterations", str(iterations),
-               "--num-tasks", str(num_tasks), "--group-size", str(group_size), "--metrics-out", str(metrics),
-               *trainer_args]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ROLLOUT_API_TOKEN": stack.api_token}
         t_train = time.monotonic()
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                console.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
-            code = proc.wait()
-        results = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        code, results = _run_trainer(stack, console, RL_TRAINER, [
+            "--out", str(stack.infra.root / "checkpoints"), "--iterations", str(iterations),
+            "--num-tasks", str(num_tasks), "--group-size", str(group_size), *trainer_args],
+            stack.infra.root / "grpo-metrics.jsonl")
         _print_rl_summary(console, results, time.monotonic() - t_train)
         if inspect is not None:
             inspect(stack, results)
@@ -252,10 +263,7 @@ def run_trl_demo(steps: int = 6, num_tasks: int = 8, group_size: int = 4, consol
     """Start the stack (vLLM, float32) and train SmolLM2 with the real TRL ``GRPOTrainer`` fed by the ledger
     (examples/trl/train.py, the client package's TRL adapter) for ``steps`` optimizer steps; prints the reward
     per step; 0 when every step ran. ``inspect`` (tests) gets the stack and the steps before everything stops."""
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=160)
+    console = _demo_console(console)
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -273,20 +281,10 @@ def run_trl_demo(steps: int = 6, num_tasks: int = 8, group_size: int = 4, consol
     results: list[dict[str, Any]] = []
     with DevStack(scheduler_port=None, engine=engine, echo=console.print, extra_env=extra_env) as stack:
         console.print(f"services up in {time.monotonic() - t0:.1f}s\n{stack.describe().rsplit(chr(10), 1)[0]}")
-        metrics = stack.infra.root / "trl-metrics.jsonl"
-        model = os.environ.get("ROLLOUT_MODEL") or str(default_model_dir())
-        cmd = [sys.executable, str(TRL_TRAINER), "--scheduler-url", stack.scheduler_url,
-               "--database-url", stack.infra.database_url, "--model", model, "--out", str(stack.infra.root / "trl"),
-               "--steps", str(steps), "--num-tasks", str(num_tasks), "--group-size", str(group_size),
-               "--metrics-out", str(metrics), *trainer_args]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ROLLOUT_API_TOKEN": stack.api_token}
         t_train = time.monotonic()
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                console.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
-            code = proc.wait()
-        results = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        code, results = _run_trainer(stack, console, TRL_TRAINER, [
+            "--out", str(stack.infra.root / "trl"), "--steps", str(steps), "--num-tasks", str(num_tasks),
+            "--group-size", str(group_size), *trainer_args], stack.infra.root / "trl-metrics.jsonl")
         table = Table(title="TRL on the ledger (reward per step)")
         for col in _TRL_COLUMNS:
             table.add_column(col, justify="right")

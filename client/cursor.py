@@ -173,6 +173,15 @@ class Cursors:
             raise CursorError(f"consumer {self.consumer!r} has no cursor (claim() first)")
         return CursorState(self.consumer, Position(int(row[0]), int(row[1])), int(row[2]), int(row[3]))
 
+    def _entries(self, pos: Position, limit: int) -> list[Any]:
+        """The next feed entries after ``pos`` (at most ``limit``): (xid, seq, episode_id, attempt, group_id)."""
+        return self.conn.execute(_FEED, {"xid": pos.xid, "seq": pos.seq, "limit": limit}).fetchall()
+
+    def _later_in(self, groups: list[str], end: Position) -> set[str]:
+        """Those of ``groups`` with a feed entry after ``end`` (not complete as of ``end``)."""
+        rows = self.conn.execute(_LATER_IN_GROUP, {"groups": groups, "xid": end.xid, "seq": end.seq}).fetchall()
+        return {r[0] for r in rows}
+
     def read(self, sel: Selection, limit: int) -> Read | None:
         """The next feed entries (at most ``limit``) and the rows they deliver; None when nothing is new.
 
@@ -180,14 +189,13 @@ class Cursors:
         """
         state = self.state()
         pos = state.position
-        entries = self.conn.execute(_FEED, {"xid": pos.xid, "seq": pos.seq, "limit": limit}).fetchall()
+        entries = self._entries(pos, limit)
         if not entries:
             return None
         end = Position(int(entries[-1][0]), int(entries[-1][1]))
         groups = sorted({e[4] for e in entries})
         if sel.complete_groups:
-            later = {r[0] for r in self.conn.execute(_LATER_IN_GROUP, {"groups": groups, "xid": end.xid,
-                                                                        "seq": end.seq}).fetchall()}
+            later = self._later_in(groups, end)
             scope = Scope(groups=[g for g in groups if g not in later])
         else:
             scope = Scope(groups=groups, rows=[(e[2], int(e[3])) for e in entries])
@@ -205,13 +213,12 @@ class Cursors:
             raise CursorError("reading whole groups needs a selection with complete_groups")
         state = self.state()
         pos = state.position
-        entries = self.conn.execute(_FEED, {"xid": pos.xid, "seq": pos.seq, "limit": limit}).fetchall()
+        entries = self._entries(pos, limit)
         if not entries:
             return None
         end = Position(int(entries[-1][0]), int(entries[-1][1]))
         last = {e[4]: i for i, e in enumerate(entries)}  # each group's latest entry in this read
-        later = {r[0] for r in self.conn.execute(_LATER_IN_GROUP, {"groups": sorted(last), "xid": end.xid,
-                                                                    "seq": end.seq}).fetchall()}
+        later = self._later_in(sorted(last), end)
         complete = sorted((i, g) for g, i in last.items() if g not in later)
         if not complete:
             return None
