@@ -206,7 +206,7 @@ def run_ours(shapes: list[tuple[int, int]], processes: int, latency_dir: str) ->
         engine = create_engine(sync_url(stack.infra.database_url))
         pids = all_pids(stack)
         worker = psutil.Process(pids["env-worker-0"])
-        agent_pids = [c.pid for c in worker.children() if "agent_process" in " ".join(c.cmdline())]
+        agent_pids = [c.pid for c in worker.children() if "env_worker.agents.process" in " ".join(c.cmdline())]
         assert len(agent_pids) == processes, agent_pids
 
         def cpu() -> dict[str, float]:
@@ -319,8 +319,8 @@ async def _drive_gateway(shapes: list[tuple[int, int]], processes: int, latency_
                          pids: dict[str, int]) -> list[dict[str, Any]]:
     import uuid
 
-    from rollout_ledger.services.env_worker.sessions.agent_pool import AgentPool
-    from rollout_ledger.services.env_worker.sessions.agent_run import (
+    from rollout_ledger.services.env_worker.agents.pool import AgentPool
+    from rollout_ledger.services.env_worker.agents.run import (
         AgentRun,
         RunEnd,
         RunOutcome,

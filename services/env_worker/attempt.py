@@ -1,6 +1,6 @@
 """One attempt of one episode, written once: its ids, the turn requests, the started, step and terminal events, and
 the turns it carries over from the attempt before it. The built-in driver (``driver.py``) and the agent episode
-(``sessions/agents.py``) both run their loops on it.
+(``agents/episode.py``) both run their loops on it.
 
 Events, ids and ``seq`` follow ``shared/ids.py``. Steps are published without awaiting each ack (through the
 worker's ``StreamPublisher``); every pending ack is awaited before the terminal event, and the terminal event's

@@ -6,9 +6,9 @@ import asyncio
 import os
 from pathlib import Path
 
+from rollout_ledger.services.env_worker.agents.runtime import AgentRuntime
 from rollout_ledger.services.env_worker.env_llm import ServedEnvLLM
 from rollout_ledger.services.env_worker.metrics import build_metrics
-from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.env_worker.worker import EnvWorker

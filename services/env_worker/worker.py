@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from rollout_ledger.services.env_worker.agents.runtime import AgentRuntime
 from rollout_ledger.services.env_worker.attempt import AttemptDeps, AttemptOutcome
 from rollout_ledger.services.env_worker.cancellation import CancelWatch
 from rollout_ledger.services.env_worker.dead_letters import reject_work_item
@@ -34,7 +35,6 @@ from rollout_ledger.services.env_worker.routing import (
     report_forever,
     routes_of,
 )
-from rollout_ledger.services.env_worker.sessions.agents import AgentRuntime
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.envs.base import EnvLLM

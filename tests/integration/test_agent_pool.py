@@ -64,7 +64,7 @@ async def submit(url: str, policy: ScriptedPolicy, batch_id: str, env: str, task
 
 
 def agent_processes(worker: ServiceProcess) -> list[int]:
-    return [p.pid for p in worker.descendants() if "agent_process" in " ".join(p.cmdline())]
+    return [p.pid for p in worker.descendants() if "env_worker.agents.process" in " ".join(p.cmdline())]
 
 
 async def test_pool_is_token_exact_enforces_deadlines_and_survives_a_killed_process(

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from rollout_ledger.services.env_worker.sessions import agent_pool
-from rollout_ledger.services.env_worker.sessions.agent_pool import AgentPool
-from rollout_ledger.services.env_worker.sessions.agent_run import AgentRun, RunEnd
+from rollout_ledger.services.env_worker.agents import pool as agent_pool
+from rollout_ledger.services.env_worker.agents.pool import AgentPool
+from rollout_ledger.services.env_worker.agents.run import AgentRun, RunEnd
 
 HERE = "tests.unit.test_agent_pool"
 

@@ -2,7 +2,8 @@
 source with ``ast``, lazy imports inside functions included) has no cycles, ``shared/`` imports no service, a service
 imports no other service (the env library ``services/envs/`` and the catalog are shared), the client package
 ``client/`` imports only itself and ``shared/`` (the exporter, which writes its feed to files, is the one service that
-imports it), and only the CLI imports ``cli/``."""
+imports it), only the CLI imports ``cli/``, and the agent endpoint's session speaks no wire protocol (its dialects are
+modules of their own, and the agent runtime is a room of its own beside the endpoint)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,24 @@ def test_the_contract_does_not_import_the_kit() -> None:
         if top == "shared" and area != "kit" and module.count(".") == 2:
             kit = sorted(d for d in deps if _area(d) == ("shared", "kit"))
             assert kit == [], f"contract module {module} imports the kit: {kit}"
+
+
+SESSIONS = "rollout_ledger.services.env_worker.sessions"
+AGENTS = "rollout_ledger.services.env_worker.agents"
+
+
+def test_the_session_speaks_no_wire_protocol() -> None:
+    """``sessions/session.py`` and ``sessions/turns.py`` import no dialect; a dialect imports no other dialect but
+    the shared SSE writer (and chat's OpenAI error shape, which the Responses API shares); the endpoint imports
+    nothing of the agent runtime."""
+    graph = _graph()
+    for core in (f"{SESSIONS}.session", f"{SESSIONS}.turns"):
+        dialects = sorted(d for d in graph[core] if d.startswith(f"{SESSIONS}.dialects"))
+        assert dialects == [], f"{core} imports wire protocols: {dialects}"
+    for module, deps in graph.items():
+        if module.startswith(SESSIONS):
+            assert not any(d.startswith(AGENTS) for d in deps), f"{module} imports the agent runtime"
+        if module.startswith(f"{SESSIONS}.dialects.") and not module.endswith((".sse", ".chat")):
+            others = sorted(d for d in deps if d.startswith(f"{SESSIONS}.dialects.")
+                            and not d.endswith((".sse", ".chat")))
+            assert others == [], f"{module} imports another dialect: {others}"

@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from rollout_ledger.services.env_worker.sessions.app import SessionRegistry, session_app
-from rollout_ledger.services.env_worker.sessions.mapping import clip_texts
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
+from rollout_ledger.services.env_worker.sessions.turns import clip_texts
 from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
 from rollout_ledger.services.env_worker.tokenization import Delta, Transcript, TurnTemplate
 from rollout_ledger.services.inference_worker.engine import Engine

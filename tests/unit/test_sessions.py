@@ -20,20 +20,17 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from rollout_ledger.services.env_worker.sessions.app import SessionRegistry, session_app
-from rollout_ledger.services.env_worker.sessions.mapping import (
-    Completion,
+from rollout_ledger.services.env_worker.sessions.dialects.chat import Completion, normalize_messages, parse_request
+from rollout_ledger.services.env_worker.sessions.dialects.chat import error_body as chat_error_body
+from rollout_ledger.services.env_worker.sessions.dialects.sse import sse
+from rollout_ledger.services.env_worker.sessions.session import AgentSession
+from rollout_ledger.services.env_worker.sessions.turns import (
+    ApiError,
     assistant_turn,
+    same_message,
     split_tool_blocks,
-    sse,
     token_texts,
 )
-from rollout_ledger.services.env_worker.sessions.protocol import (
-    ApiError,
-    normalize_messages,
-    parse_request,
-    same_message,
-)
-from rollout_ledger.services.env_worker.sessions.session import AgentSession
 from rollout_ledger.services.env_worker.tokenization import Delta, Transcript, TurnTemplate
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import FinishReason, SamplingParams, TurnGenerated
@@ -74,7 +71,7 @@ def test_bad_requests_are_400_naming_the_field(body: dict[str, Any], param: str)
         parse_request({"model": "policy", **body})
     assert err.value.status == 400
     assert err.value.param is not None and err.value.param.startswith(param)
-    assert err.value.body()["error"]["type"] == "invalid_request_error"
+    assert chat_error_body(err.value)["error"]["type"] == "invalid_request_error"
     assert param in err.value.message
 
 
@@ -167,7 +164,7 @@ def test_tool_calls_are_parsed_from_hermes_text() -> None:
 def _completion(tok: ChatTokenizer, text: str, *, tools: bool, logprobs: bool) -> Completion:
     ids = [*tok.encode(text).tolist(), tok.tokenizer.token_to_id(EOS)]
     lps = [-0.5] * len(ids)
-    from rollout_ledger.services.env_worker.sessions.mapping import logprobs_content
+    from rollout_ledger.services.env_worker.sessions.turns import logprob_entries as logprobs_content
 
     top = [{i: -0.5, 42: -1.5} for i in ids]
     turn = assistant_turn(text, "stop", parse_tools=tools, id_seed="x")
@@ -408,7 +405,7 @@ async def test_an_inference_failure_is_a_503_and_ends_the_session(served: Served
 
 # --- agent functions ------------------------------------------------------------------------------------
 def test_agents_are_parsed_and_imported() -> None:
-    from rollout_ledger.services.env_worker.sessions.agents import AgentLoadError, load_agents, parse_agents
+    from rollout_ledger.services.env_worker.agents.run import AgentLoadError, load_agents, parse_agents
 
     assert parse_agents(" a=tests.agents:plain, b = tests.agents:tools ,") == {"a": "tests.agents:plain",
                                                                              "b": "tests.agents:tools"}
@@ -427,7 +424,7 @@ def test_agents_are_parsed_and_imported() -> None:
 
 
 def test_agent_results() -> None:
-    from rollout_ledger.services.env_worker.sessions.agents import agent_result
+    from rollout_ledger.services.env_worker.agents.run import agent_result
 
     assert agent_result(1).reward == 1.0
     full = agent_result({"reward": 0.5, "info": {"k": {1, 2}}, "answer": ["x"]})
@@ -551,10 +548,3 @@ async def test_an_openai_agents_sdk_streamed_run(live: Callable[[dict[str, list[
     assert session.transcript is not None
     _check_contexts(served.episodes["s"], session.transcript, tok)
     assert [s["drift"] for s in served.episodes["s"].steps] == [None, None]  # same tools: one segment
-
-
-async def test_the_responses_api_is_a_404_naming_the_chat_model(served: Served) -> None:
-    with pytest.raises(openai.NotFoundError) as err:
-        await served.client.responses.create(model="p", input="hi")
-    assert err.value.code == "responses_api_not_supported" and "OpenAIChatCompletionsModel" in err.value.message
-    assert served.episode.requests == []

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from rollout_ledger.services.env_worker.sessions.mapping import token_texts
+from rollout_ledger.services.env_worker.sessions.turns import token_texts
 from rollout_ledger.shared.kit.chat import ChatTokenizer, _agree, load_chat_tokenizer
 
 EOS = "<|im_end|>"

@@ -1,9 +1,10 @@
-"""Agents as environments: a per-session OpenAI-compatible endpoint and the agent functions that call it.
+"""The per-session model endpoint an agent episode calls: one conversation per episode, token-exact, in the wire
+protocol the agent speaks.
 
-- ``protocol``: the OpenAI chat-completions wire format (requests validated into ``ChatRequest``, messages
-  normalised, errors in the OpenAI shape);
-- ``mapping``: model text <-> OpenAI messages (hermes tool calls, logprobs, responses and SSE chunks);
+- ``turns``: the protocol-neutral turn types (``TurnRequest``, ``TurnResult``, canonical messages, tool calls);
 - ``session``: one episode's conversation with the policy, token-exact across its calls (segments on rewrites);
-- ``app``: the HTTP app (``/sessions/{episode_id}/v1/...``) and the registry of open sessions;
-- ``agents``: loading ``async def run(task, client)`` by ``module:function`` and running it as an episode.
+- ``dialects``: one module per wire protocol (Chat Completions, Responses, Anthropic Messages) over those types;
+- ``app``: the HTTP app (``/sessions/{episode_id}/v1/...``), its keys, and the registry of open sessions.
+
+The agents that call it (functions, harness processes) are the agent runtime's (``env_worker/agents/``).
 """

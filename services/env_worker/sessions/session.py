@@ -1,4 +1,8 @@
-"""One agent episode's conversation with the policy: each chat call is one turn, token-exact across calls.
+"""One agent episode's conversation with the policy: each model call is one turn, token-exact across calls.
+
+The session speaks no wire protocol: a dialect (``dialects/``: Chat Completions, Responses, Messages) turns each
+call into a ``TurnRequest`` of canonical messages and writes the ``TurnResult`` back in its own shape, so calls of
+any dialect, even mixed within one episode, extend the same transcript under the same rules.
 
 Design note. An agent sends its whole conversation on every call; the policy must see exactly the ids the
 trajectory records. So the session keeps the episode's ``Transcript`` and treats call ``t+1`` as follows:
@@ -24,7 +28,7 @@ it are recorded verbatim like any others, and the reply carries the parsed call.
 
 Stop strings follow OpenAI: the turn's ids are appended verbatim (with a stop string they end with it, and
 maybe more text in the same token), while the action (the reply's content and tool calls, and
-``StepCompleted.action``) is their text cut before the stop string (``stop_strings.cut_at_stop``; see ``mapping``).
+``StepCompleted.action``) is their text cut before the stop string (``stop_strings.stop_hit``; see ``turns``).
 
 The step of the last turn is published when the agent returns (final: no ids, the agent's reward). Calls of
 one session are serialised (a conversation is linear). A call that finds the turn budget or the context used
@@ -38,26 +42,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollout_ledger.services.env_worker.sessions.mapping import (
+from rollout_ledger.services.env_worker.sessions.turns import (
+    ApiError,
     AssistantTurn,
-    Completion,
+    Message,
+    TurnRequest,
+    TurnResult,
     assistant_turn,
     clip_texts,
-    logprobs_content,
+    logprob_entries,
+    same_message,
     token_texts,
 )
-from rollout_ledger.services.env_worker.sessions.protocol import (
-    ApiError,
-    ChatRequest,
-    Message,
-    normalize_messages,
-    same_message,
-)
-from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
+from rollout_ledger.services.env_worker.stop_strings import stop_hit
 from rollout_ledger.services.env_worker.tokenization import Delta, Drift, Transcript, TurnTemplate
 from rollout_ledger.shared.errors import InferenceError, TokenizationError
 from rollout_ledger.shared.events import FailureClass, SamplingParams, TurnGenerated
@@ -131,15 +131,17 @@ class AgentSession:
         self._tools_key: str | None = None
         self._pending: _Pending | None = None
         self._inflight: set[asyncio.Task[TurnGenerated]] = set()
+        self.memory: dict[str, Any] = {}
+        """What dialects keep between the calls of this session (the Responses API's stored responses)."""
 
     # --- one call -------------------------------------------------------------------------------------
-    async def complete(self, req: ChatRequest) -> Completion:
-        """Answer one chat-completions call as the next turn of the episode (``ApiError`` for refusals)."""
+    async def complete(self, req: TurnRequest) -> TurnResult:
+        """Answer one model call as the next turn of the episode (``ApiError`` for refusals)."""
         async with self._lock:
             self._check_open()
-            messages = normalize_messages(req.messages)
+            messages = req.messages
             sampling = _sampling(self.episode.sampling, req)  # refused before anything is consumed
-            tools = req.tool_schemas
+            tools = req.tools
             try:
                 template = self.template.with_tools(tools)
             except TokenizationError as exc:
@@ -160,9 +162,17 @@ class AgentSession:
                 self._end(Ending("truncated", "context_length"))
                 raise ApiError(400, f"the conversation ({transcript.context_len} tokens) fills the policy's context "
                                f"({self.episode.max_model_len})", code="context_length_exceeded", param="messages")
-            limit = req.completion_limit or self.episode.sampling.max_tokens
+            limit = req.max_tokens or self.episode.sampling.max_tokens
             turn = await self._generate(self.turns, transcript, sampling, min(limit, room))
             return self._answer(req, transcript, turn, sampling.stop)
+
+    def count_tokens(self, req: TurnRequest) -> int:
+        """The ids the call's conversation and tools render to, generation prompt included (nothing is sampled or
+        recorded: Anthropic's ``count_tokens``)."""
+        try:
+            return Transcript(self.template.with_tools(req.tools), req.messages).context_len
+        except TokenizationError as exc:
+            raise ApiError(400, f"messages: the chat template cannot render them: {exc}", param="messages") from None
 
     def _check_open(self) -> None:
         if self.closed:
@@ -220,26 +230,25 @@ class AgentSession:
         finally:
             self._inflight.discard(task)
 
-    def _answer(self, req: ChatRequest, transcript: Transcript, turn: TurnGenerated, stop: list[str]) -> Completion:
-        """The response to a sampled turn. The ids go into the transcript verbatim; the action (what the agent gets
-        and the step records) is their text cut before the stop string that stopped the engine, as OpenAI's
-        content (``stop_strings.cut_at_stop``; the transcript keeps the whole decoded text for its renderings)."""
+    def _answer(self, req: TurnRequest, transcript: Transcript, turn: TurnGenerated, stop: list[str]) -> TurnResult:
+        """The result of a sampled turn. The ids go into the transcript verbatim; the action (what the agent gets
+        and the step records) is their text cut before the stop string that stopped the engine, as the APIs'
+        content (``stop_strings.stop_hit``; the transcript keeps the whole decoded text for its renderings)."""
         prompt_ids = transcript.context.tolist()
-        action, stopped = cut_at_stop(transcript.add_sampled(turn.token_ids), stop)
+        action, stop_string = stop_hit(transcript.add_sampled(turn.token_ids), stop)
         self.turns += 1
-        finish = "stop" if stopped else turn.finish_reason.value
-        answer: AssistantTurn = assistant_turn(action, finish, parse_tools=req.parses_tool_calls,
-                                               id_seed=turn.event_id)
+        finish = "stop" if stop_string is not None else turn.finish_reason.value
+        answer: AssistantTurn = assistant_turn(action, finish, parse_tools=req.parse_tools, id_seed=turn.event_id)
         self._pending = _Pending(turn, action, answer.canonical())
         tok = transcript.tokenizer
         lps = None
         if req.logprobs:
-            lps = logprobs_content(tok, turn.token_ids, turn.logprobs, turn.top_logprobs, req.top_logprobs or 0)
+            lps = logprob_entries(tok, turn.token_ids, turn.logprobs, turn.top_logprobs, req.top_logprobs)
         ids = turn.token_ids.tolist()
-        return Completion(
-            id=f"chatcmpl-{uuid.uuid5(uuid.NAMESPACE_URL, turn.event_id).hex}", created=int(time.time()),
-            model=req.model or self.model_name, turn=answer, prompt_token_ids=prompt_ids, token_ids=ids,
-            logprobs=lps, token_texts=clip_texts(token_texts(tok, ids), len(action)) if req.stream else [],
+        return TurnResult(
+            turn=answer, stop_string=stop_string, prompt_token_ids=prompt_ids, token_ids=ids, logprobs=lps,
+            token_texts=clip_texts(token_texts(tok, ids), len(action)) if req.stream else [],
+            event_id=turn.event_id, model=req.model or self.model_name, created=int(time.time()),
             extra={"episode_id": turn.episode_id, "turn_index": turn.turn_index, "turn_event_id": turn.event_id,
                    "segment": len(transcript.segments) - 1})
 
@@ -291,23 +300,23 @@ def _tools_key(tools: list[dict[str, Any]] | None) -> str:
     return json.dumps(tools, sort_keys=True) if tools else ""
 
 
-def _sampling(base: SamplingParams, req: ChatRequest) -> SamplingParams:
+def _sampling(base: SamplingParams, req: TurnRequest) -> SamplingParams:
     """The batch's sampling parameters with what the call sets (temperature, top_p, stop, seed, top_logprobs, and
-    the tool call its ``tool_choice`` forces: the call decides that, whatever the batch's parameters say)."""
+    the tool call it forces: the call decides that, whatever the batch's parameters say)."""
     values = base.model_dump()
-    values["tool_call"] = req.tool_call_constraint
+    values["tool_call"] = req.tool_call
     if req.temperature is not None:
         values["temperature"] = req.temperature
     if req.top_p is not None:
         values["top_p"] = req.top_p
     if req.stop is not None:
-        values["stop"] = req.stop_strings
+        values["stop"] = req.stop
     if req.seed is not None:
         values["seed"] = req.seed
     if req.logprobs and req.top_logprobs:
         values["logprobs"] = max(base.logprobs, req.top_logprobs)
-    if req.completion_limit is not None:
-        values["max_tokens"] = min(req.completion_limit, 131072)
+    if req.max_tokens is not None:
+        values["max_tokens"] = min(req.max_tokens, 131072)
         values["min_tokens"] = min(base.min_tokens, values["max_tokens"])  # the call's limit wins over a floor
     try:
         return SamplingParams.model_validate(values)

@@ -4,7 +4,7 @@ agent code uses other cores than the worker's and a crash of agent code does not
 Design note. Only the agent function moves: each episode's session (its transcript, its turns, its events) stays
 in the worker, and the agent process gets the session's URL, secret and task (``AgentRun``), so every turn is
 token-exact and durable exactly as in-process. A run goes to the live process with the fewest runs; each process
-runs any number of runs on its own event loop with one shared HTTP client (``agent_process``).
+runs any number of runs on its own event loop with one shared HTTP client (``process``).
 
 - Deadline: the process cancels a run at its ``timeout_s`` and answers ``timeout``. A process that has not
   answered ``GRACE_S`` later is stuck (blocking code in an agent holds its event loop): the run ends ``timeout``
@@ -27,8 +27,8 @@ import socket
 import sys
 import time
 
-from rollout_ledger.services.env_worker.sessions.agent_process import frame, read_frame
-from rollout_ledger.services.env_worker.sessions.agent_run import AgentRun, RunEnd, RunOutcome
+from rollout_ledger.services.env_worker.agents.process import frame, read_frame
+from rollout_ledger.services.env_worker.agents.run import AgentRun, RunEnd, RunOutcome
 from rollout_ledger.shared.kit.logging import get_logger
 
 log = get_logger(__name__)
@@ -73,7 +73,7 @@ class AgentProcess:
         ours, theirs = socket.socketpair()
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "rollout_ledger.services.env_worker.sessions.agent_process",
+                sys.executable, "-m", "rollout_ledger.services.env_worker.agents.process",
                 "--fd", str(theirs.fileno()), "--agents", self.agents, pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL)
         finally:

@@ -1,7 +1,7 @@
 """One call of an agent function and what came of it: loading ``name=module:function`` entries, running one
 against its session URL (in the env worker or in an agent process), and the outcome as plain data.
 
-Kept free of the worker's bus, driver and tokenizer imports: agent processes (``agent_process``) import it, and
+Kept free of the worker's bus, driver and tokenizer imports: agent processes (``process``) import it, and
 their start-up cost is what they import.
 """
 

@@ -1,5 +1,6 @@
-"""The OpenAI chat-completions wire format of the session endpoint: request validation, message normalisation,
-and errors in the OpenAI shape (``{"error": {"message", "type", "param", "code"}}``).
+"""The OpenAI Chat Completions dialect of the session endpoint (``/v1/chat/completions``): request validation into
+the neutral ``TurnRequest``, message normalisation into canonical messages, the ``chat.completion`` response and its
+stream of chunks, and errors in the OpenAI shape (``{"error": {"message", "type", "param", "code"}}``).
 
 Requests are validated here and nowhere else. Fields the SDKs send that change nothing for us (``user``,
 ``metadata``, ``parallel_tool_calls``, ``store``, ``verbosity``, ``prompt_cache_key``, ..., and any field we do
@@ -19,35 +20,33 @@ constraint. ``allowed_tools`` in mode ``auto`` naming every tool is ``auto``; na
 model may answer in text or call one of those) is refused with a 400 (code ``tool_choice_not_enforced``): no
 engine constraint expresses it, and a turn calling another tool would be recorded under a promise the policy never
 kept.
+
+Streams are the whole turn replayed as chunks (the engine returns a turn at once): a role chunk carrying
+``prompt_token_ids``, one content chunk per sampled token with its logprobs and ``token_ids``, one chunk per tool
+call, a last chunk with ``finish_reason``, and with ``stream_options.include_usage`` a usage chunk without choices;
+then ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-Message = dict[str, Any]
+from rollout_ledger.services.env_worker.sessions.dialects.sse import DONE, sse
+from rollout_ledger.services.env_worker.sessions.turns import ApiError, AssistantTurn, Message, TurnRequest, TurnResult
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-class ApiError(Exception):
-    """A request the endpoint answers with an OpenAI-shaped error (4xx for bad input, 404 unknown session)."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body OpenAI clients parse (``openai.APIStatusError.body``)."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+def error_body(exc: ApiError) -> dict[str, Any]:
+    """The JSON body OpenAI clients parse (``openai.APIStatusError.body``)."""
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
 
 
 class FunctionDef(BaseModel):
@@ -337,29 +336,112 @@ def normalize_messages(raw: list[dict[str, Any]]) -> list[Message]:
     return out
 
 
-def same_message(sent: Message, returned: Message) -> bool:
-    """Whether a message the client sent back is the assistant message the endpoint returned.
-
-    Content must be equal (null and "" are the same). Tool calls must have the same ids, names and arguments;
-    arguments are compared as JSON values, since frameworks parse and re-dump them (spacing, key order).
-    """
-    if sent.get("role") != "assistant" or sent.get("content", "") != returned.get("content", ""):
-        return False
-    a, b = sent.get("tool_calls") or [], returned.get("tool_calls") or []
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        if x["id"] and x["id"] != y["id"]:
-            return False
-        if x["function"]["name"] != y["function"]["name"]:
-            return False
-        if _json_value(x["function"]["arguments"]) != _json_value(y["function"]["arguments"]):
-            return False
-    return True
+def turn_request(req: ChatRequest) -> TurnRequest:
+    """The call in the session's terms."""
+    return TurnRequest(
+        messages=normalize_messages(req.messages), tools=req.tool_schemas, parse_tools=req.parses_tool_calls,
+        tool_call=req.tool_call_constraint, temperature=req.temperature, top_p=req.top_p,
+        stop=req.stop_strings if req.stop is not None else None, seed=req.seed, max_tokens=req.completion_limit,
+        logprobs=bool(req.logprobs), top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        stream=bool(req.stream), model=req.model)
 
 
-def _json_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def message(turn: AssistantTurn) -> Message:
+    """The response's ``choices[0].message`` (with OpenAI's ``refusal`` and ``annotations``: none here)."""
+    out: Message = {"role": "assistant", "content": turn.content, "refusal": None, "annotations": []}
+    if turn.tool_calls:
+        out["tool_calls"] = turn.tool_calls
+    return out
+
+
+def completion(result: TurnResult) -> Completion:
+    """The chat-completions view of a sampled turn."""
+    return Completion(id=f"chatcmpl-{uuid.uuid5(uuid.NAMESPACE_URL, result.event_id).hex}",
+                      created=result.created or int(time.time()), model=result.model, turn=result.turn,
+                      prompt_token_ids=result.prompt_token_ids, token_ids=result.token_ids, logprobs=result.logprobs,
+                      token_texts=result.token_texts, extra=result.extra)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Everything a response needs about one call, whichever way it is sent."""
+
+    id: str
+    created: int
+    model: str
+    turn: AssistantTurn
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[dict[str, Any]] | None
+    """``logprobs.content`` when the request asked for logprobs."""
+    token_texts: list[str]
+    """Content text of each sampled id for streaming (concatenated: the turn's text, special tokens skipped)."""
+    extra: dict[str, Any]
+    """Extra top-level fields (``episode_id``, ``turn_index``, ``turn_event_id``, ``segment``)."""
+
+    @property
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt_token_ids), len(self.token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def response(self) -> dict[str, Any]:
+        """The ``chat.completion`` object (stream=false)."""
+        choice: dict[str, Any] = {"index": 0, "message": message(self.turn), "finish_reason": self.turn.finish_reason,
+                                  "logprobs": {"content": self.logprobs} if self.logprobs is not None else None,
+                                  "token_ids": self.token_ids}
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage, "prompt_token_ids": self.prompt_token_ids, **self.extra}
+
+    def chunks(self, include_usage: bool) -> Iterator[dict[str, Any]]:
+        """The ``chat.completion.chunk`` objects of the stream, in order."""
+        def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
+                  **fields: Any) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            choice.update(fields)
+            out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                                   "model": self.model, "choices": [choice]}
+            if include_usage:
+                out["usage"] = None
+            return out
+
+        first = chunk({"role": "assistant", "content": ""})
+        first["prompt_token_ids"] = self.prompt_token_ids
+        first.update(self.extra)
+        yield first
+        if self.turn.tool_calls:
+            if self.turn.content:
+                yield chunk({"content": self.turn.content}, logprobs=self._logprobs(0, len(self.token_ids)),
+                            token_ids=self.token_ids)
+            else:
+                yield chunk({}, logprobs=self._logprobs(0, len(self.token_ids)), token_ids=self.token_ids)
+            for i, call in enumerate(self.turn.tool_calls):
+                yield chunk({"tool_calls": [{"index": i, **call}]})
+        else:
+            for i, (tid, text) in enumerate(zip(self.token_ids, self.token_texts, strict=True)):
+                yield chunk({"content": text}, logprobs=self._logprobs(i, i + 1), token_ids=[tid])
+        yield chunk({}, finish=self.turn.finish_reason)
+        if include_usage:
+            yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                   "choices": [], "usage": self.usage}
+
+    def _logprobs(self, start: int, end: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        return {"content": self.logprobs[start:end]}
+
+
+# --- the dialect's face to the app ---------------------------------------------------------------------------------
+def parse(body: Any, memory: dict[str, Any]) -> tuple[TurnRequest, ChatRequest]:
+    """The call's ``TurnRequest`` and its validated request (``ApiError(400)`` naming the first bad field)."""
+    req = parse_request(body)
+    return turn_request(req), req
+
+
+def response(result: TurnResult, req: ChatRequest, memory: dict[str, Any]) -> dict[str, Any]:
+    return completion(result).response()
+
+
+def stream(result: TurnResult, req: ChatRequest, memory: dict[str, Any]) -> Iterator[bytes]:
+    for chunk in completion(result).chunks(req.include_usage):
+        yield sse(chunk)
+    yield DONE

@@ -1,17 +1,19 @@
-"""Agent functions as environments: ``async def run(task, client) -> reward | {"reward", "info", "answer"}``,
-registered by ``module:function`` (``ROLLOUT_AGENTS="name=module:function"``), run one per episode.
+"""One agent episode attempt: the agent (a function or a harness process) against its session, and what its
+outcome makes of the episode; with resume, the recorded turns a later attempt answers repeated calls with.
 
-Each episode gets an ``AgentSession`` on the worker's session endpoint and its own ``openai.AsyncOpenAI``
-client on that session's URL (all clients of a process share one HTTP client); every chat call of the agent is
-one turn of the episode (see ``session``). The agent function runs in one of the worker's agent processes
-(``agent_pool``, ``agent_processes`` of them) or, with ``agent_processes=0``, on the worker's own event loop; the
-session, and so every turn and event, is the worker's either way. Outcomes, attributed to one boundary each:
+Each episode gets an ``AgentSession`` on the worker's session endpoint; the agent gets that session's URL and
+secret (``run.AgentRun``) and every model call it makes, in any of the endpoint's dialects, is one turn of the
+episode (see ``sessions.session``). Where the agent runs (in the worker, in an agent process of ``pool``, or as a
+process of its own) is ``runtime``'s business; the session, and so every turn and event, is the worker's either
+way. Outcomes, attributed to one boundary each:
 
 - the agent returns a number or a dict with ``reward``: ``EpisodeFinished`` (``completed``, or ``truncated``
   when a call found the turn budget or the context used up) with the reward, and ``info`` holding the agent's
   ``answer`` and ``agent_info``;
-- the agent raises: ``EpisodeFailed`` class ``agent`` with the traceback in the reason (the worker goes on);
-- the agent runs past ``agent_timeout_s``: it is cancelled with its in-flight generations, class ``timeout``;
+- the agent raises (a harness process exits non-zero): ``EpisodeFailed`` class ``agent`` with the traceback (the
+  end of its stderr) in the reason (the worker goes on);
+- the agent runs past ``agent_timeout_s``: it is cancelled (a process killed) with its in-flight generations,
+  class ``timeout``;
 - its agent process dies before it returns: class ``agent`` (retryable within ``retry_agent``), saying how;
 - the agent returns without a single model call, or returns something else: class ``agent``, saying so;
 - the policy produced no turn for a call (the inference budget is spent): class ``inference``, whatever the
@@ -22,33 +24,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from nats.js import JetStreamContext
 
+from rollout_ledger.services.env_worker.agents.run import AgentResult, AgentRun, AgentSpec, RunEnd, RunOutcome
 from rollout_ledger.services.env_worker.attempt import Attempt, AttemptDeps, AttemptOutcome, recorded_turn_event
 from rollout_ledger.services.env_worker.resume import Recorded, ResumeUnavailable
-from rollout_ledger.services.env_worker.sessions.agent_pool import AgentPool
-from rollout_ledger.services.env_worker.sessions.agent_run import (
-    AgentLoadError,
-    AgentResult,
-    AgentRun,
-    AgentSpec,
-    RunEnd,
-    RunOutcome,
-    agent_result,
-    load_agent,
-    load_agents,
-    parse_agents,
-    run_agent,
-    shared_http_client,
-)
-from rollout_ledger.services.env_worker.sessions.app import SessionRegistry, session_app
-from rollout_ledger.services.env_worker.sessions.protocol import Message
+from rollout_ledger.services.env_worker.sessions.app import SessionRegistry
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
-from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
+from rollout_ledger.services.env_worker.sessions.turns import Message
 from rollout_ledger.services.env_worker.tokenization import Delta, Transcript
 from rollout_ledger.shared.events import (
     EpisodeRequested,
@@ -58,20 +43,15 @@ from rollout_ledger.shared.events import (
     SamplingParams,
     TrajectoryStatus,
     TurnGenerated,
-    dumps,
 )
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.kit.runtime import HttpServer
 from rollout_ledger.shared.resume import RecordedTurn
-from rollout_ledger.shared.subjects import ENVS_BUCKET, env_key
 
 log = get_logger(__name__)
 
 AgentRunner = Callable[[AgentRun], Awaitable[RunOutcome]]
 """Runs one agent call (``AgentRuntime.run_agent``)."""
 
-__all__ = ["AgentEpisode", "AgentLoadError", "AgentRuntime", "AgentSpec", "agent_result", "load_agent",
-           "load_agents", "parse_agents"]
 
 class AgentEpisode:
     """One attempt of an agent episode: the agent function against its session (single use).
@@ -264,71 +244,3 @@ def recorded_contexts(recorded: Recorded) -> list[np.ndarray]:
         if turn.new_segment:
             seg_start = sampled_end
     return contexts
-
-
-class AgentRuntime:
-    """The agents of one worker, the registry of their sessions, their timeout and where they run (in this
-    process, or in the pool of agent processes): what the worker consults for a work item whose env names an
-    agent."""
-
-    def __init__(self, agents: dict[str, AgentSpec], sessions: SessionRegistry, timeout_s: float,
-                 pool: AgentPool | None = None) -> None:
-        self.agents = agents
-        self.sessions = sessions
-        self.timeout_s = timeout_s
-        self.pool = pool
-        """The agent processes (None: agents run on this process's event loop)."""
-        self.http = shared_http_client()
-        """The HTTP client of every in-process agent's ``AsyncOpenAI``."""
-        self.server: HttpServer | None = None
-
-    @classmethod
-    async def start(cls, settings: EnvWorkerSettings) -> AgentRuntime | None:
-        """Import ``settings.agents``, start ``agent_processes`` processes running them (0: none, they run here)
-        and serve their sessions on ``session_host:session_port``; None without agents (no session server then)."""
-        agents = load_agents(settings.agents)
-        if not agents:
-            return None
-        pool = await AgentPool(settings.agents, settings.agent_processes).start() if settings.agent_processes else None
-        runtime = cls(agents, SessionRegistry(Path(settings.model).name or "policy"), settings.agent_timeout_s, pool)
-        try:
-            runtime.server = HttpServer(session_app(runtime.sessions), settings.session_host, settings.session_port)
-            await runtime.server.start()
-        except BaseException:
-            await runtime.stop()
-            raise
-        host = "127.0.0.1" if settings.session_host in ("", "0.0.0.0", "::") else settings.session_host
-        runtime.sessions.base_url = settings.session_url.rstrip("/") or f"http://{host}:{runtime.server.port}"
-        log.info("agents.ready", agents=runtime.names(), sessions=runtime.sessions.base_url,
-                 agent_processes=len(pool.procs) if pool is not None else 0)
-        return runtime
-
-    async def stop(self) -> None:
-        if self.pool is not None:
-            await self.pool.stop()
-        if self.server is not None:
-            await self.server.stop()
-        await self.http.shutdown()
-
-    async def run_agent(self, run: AgentRun) -> RunOutcome:
-        """Run one agent call where this worker runs agents."""
-        if self.pool is not None:
-            return await self.pool.run(run)
-        return await run_agent(self.agents[run.agent], run, self.http)
-
-    def driver(self, deps: AttemptDeps, item: EpisodeRequested, attempt: int) -> AgentEpisode | None:
-        """The episode of ``item`` when its env is one of the agents, else None."""
-        agent = self.agents.get(item.env)
-        if agent is None:
-            return None
-        deadlines = [t for t in (self.timeout_s, deps.episode_timeout_s) if t > 0]  # the nearer one applies
-        return AgentEpisode(deps, item, attempt, agent, self.sessions, min(deadlines, default=0.0), self.run_agent)
-
-    async def register(self, js: JetStreamContext, worker_id: str) -> None:
-        """Advertise every agent in the ``rl_envs`` bucket (the scheduler accepts their names as envs)."""
-        kv = await js.key_value(ENVS_BUCKET)
-        for spec in self.agents.values():
-            await kv.put(env_key(spec.name), dumps(spec.advert(registered_by=worker_id)))
-
-    def names(self) -> list[str]:
-        return sorted(self.agents)

@@ -1,5 +1,5 @@
 """An agent process: runs the env worker's agent functions, many episodes at once on one event loop, for the
-worker that started it (``agent_pool``), over a socket it inherited.
+worker that started it (``pool``), over a socket it inherited.
 
 Frames both ways are a 4-byte big-endian length and an orjson object. The worker sends ``{"op": "run", "id",
 "run": AgentRun}`` and ``{"op": "cancel", "id"}``; the process answers ``{"op": "ready", "pid"}`` once its agents
@@ -9,7 +9,7 @@ here (its task is cancelled, its requests with it). The process ignores SIGINT a
 process group receives: the worker drains its episodes first, then closes the socket, and the process exits at
 end of file. Agents' stdout and stderr are the worker's.
 
-Run as ``python -m rollout_ledger.services.env_worker.sessions.agent_process --fd N --agents name=mod:fn,...``.
+Run as ``python -m rollout_ledger.services.env_worker.agents.process --fd N --agents name=mod:fn,...``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from rollout_ledger.services.env_worker.sessions.agent_run import (
+from rollout_ledger.services.env_worker.agents.run import (
     AgentRun,
     AgentSpec,
     load_agents,
