@@ -12,7 +12,7 @@ import asyncio
 import json
 from typing import Any
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIProvider, RunConfig, Runner, function_tool
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -198,6 +198,25 @@ async def openai_agents(task: dict[str, Any], client: AsyncOpenAI) -> dict[str, 
             "info": {"tool_calls": calls, "requests": result.context_wrapper.usage.requests}}
 
 
+async def openai_agents_responses(task: dict[str, Any], client: AsyncOpenAI) -> dict[str, Any]:
+    """The OpenAI Agents SDK with its default model, which speaks the Responses API: the agent names a model and the
+    run's provider is the SDK's own ``OpenAIProvider`` on the session client (tracing off: nothing leaves the
+    machine)."""
+    agent = Agent(name="adder", instructions="Use the add_numbers tool to add numbers, then state the sum.",
+                  tools=[add_numbers], model="policy",
+                  model_settings=ModelSettings(max_tokens=task.get("max_tokens", 48), parallel_tool_calls=False,
+                                               temperature=task.get("temperature", 1.0), top_logprobs=1))
+    provider = OpenAIProvider(openai_client=client)
+    result = await Runner.run(agent, f"What is {task['a']} + {task['b']}?", max_turns=3,
+                              run_config=RunConfig(tracing_disabled=True, model_provider=provider))
+    answer = str(result.final_output)
+    calls = sum(1 for item in result.new_items if item.type == "tool_call_item")
+    total = str(task["a"] + task["b"])
+    return {"reward": float(total in answer), "answer": answer,
+            "info": {"tool_calls": calls, "requests": result.context_wrapper.usage.requests,
+                     "model": type(provider.get_model("policy")).__name__}}
+
+
 async def counting(task: dict[str, Any], client: AsyncOpenAI) -> float:
     """``task["calls"]`` calls, each adding "Turn k." to the conversation; deterministic given the replies (a
     resumed attempt's repeated calls are answered from the recorded turns)."""
@@ -210,6 +229,7 @@ async def counting(task: dict[str, Any], client: AsyncOpenAI) -> float:
     return 1.0
 
 
-ALL = ("plain", "streaming", "tools", "rewrite", "raises", "silent", "sleepy", "langchain", "openai_agents", "counting")
+ALL = ("plain", "streaming", "tools", "rewrite", "raises", "silent", "sleepy", "langchain", "openai_agents",
+       "openai_agents_responses", "counting")
 AGENTS_SETTING = ",".join(f"{name}=tests.agents:{name}" for name in ALL)
 """``ROLLOUT_AGENTS`` registering every agent above."""
