@@ -145,6 +145,13 @@ def session_app(registry: SessionRegistry) -> FastAPI:
     async def create_response(episode_id: str, request: Request) -> Response:
         return await _call(episode_id, request, responses)
 
+    @app.post(PREFIX + "/responses/compact")
+    async def compact(episode_id: str, request: Request) -> Response:
+        session_of(episode_id, request)
+        raise ApiError(404, "responses/compact is not served: compaction would be a model call outside the episode's "
+                       "turns; send the conversation (or previous_response_id) to /responses", code="not_supported",
+                       type_="not_found_error")
+
     @app.get(PREFIX + "/responses/{response_id}")
     async def get_response(episode_id: str, response_id: str, request: Request) -> Response:
         session = session_of(episode_id, request)

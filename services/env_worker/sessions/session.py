@@ -164,7 +164,7 @@ class AgentSession:
                                f"({self.episode.max_model_len})", code="context_length_exceeded", param="messages")
             limit = req.max_tokens or self.episode.sampling.max_tokens
             turn = await self._generate(self.turns, transcript, sampling, min(limit, room))
-            return self._answer(req, transcript, turn, sampling.stop)
+            return self._answer(req, transcript, turn, sampling)
 
     def count_tokens(self, req: TurnRequest) -> int:
         """The ids the call's conversation and tools render to, generation prompt included (nothing is sampled or
@@ -230,12 +230,13 @@ class AgentSession:
         finally:
             self._inflight.discard(task)
 
-    def _answer(self, req: TurnRequest, transcript: Transcript, turn: TurnGenerated, stop: list[str]) -> TurnResult:
+    def _answer(self, req: TurnRequest, transcript: Transcript, turn: TurnGenerated,
+                sampling: SamplingParams) -> TurnResult:
         """The result of a sampled turn. The ids go into the transcript verbatim; the action (what the agent gets
         and the step records) is their text cut before the stop string that stopped the engine, as the APIs'
         content (``stop_strings.stop_hit``; the transcript keeps the whole decoded text for its renderings)."""
         prompt_ids = transcript.context.tolist()
-        action, stop_string = stop_hit(transcript.add_sampled(turn.token_ids), stop)
+        action, stop_string = stop_hit(transcript.add_sampled(turn.token_ids), sampling.stop)
         self.turns += 1
         finish = "stop" if stop_string is not None else turn.finish_reason.value
         answer: AssistantTurn = assistant_turn(action, finish, parse_tools=req.parse_tools, id_seed=turn.event_id)
@@ -250,7 +251,8 @@ class AgentSession:
             token_texts=clip_texts(token_texts(tok, ids), len(action)) if req.stream else [],
             event_id=turn.event_id, model=req.model or self.model_name, created=int(time.time()),
             extra={"episode_id": turn.episode_id, "turn_index": turn.turn_index, "turn_event_id": turn.event_id,
-                   "segment": len(transcript.segments) - 1})
+                   "segment": len(transcript.segments) - 1},
+            temperature=sampling.temperature, top_p=sampling.top_p)
 
     # --- the end --------------------------------------------------------------------------------------
     def _end(self, ending: Ending) -> None:

@@ -126,6 +126,9 @@ class TurnResult:
     created: int
     extra: dict[str, Any] = field(default_factory=dict)
     """Ledger fields a response carries (``episode_id``, ``turn_index``, ``turn_event_id``, ``segment``)."""
+    temperature: float = 1.0
+    """The temperature the turn was sampled with (the call's, else the batch's)."""
+    top_p: float = 1.0
 
 
 def split_tool_blocks(text: str) -> tuple[list[str], list[str]] | None:

@@ -89,6 +89,9 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     seed: int | None = None
     """Not OpenAI's; vLLM's extension, honoured the same way."""
+    metadata: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
@@ -314,16 +317,18 @@ def _response(result: TurnResult, call: Call, output: list[dict[str, Any]], stat
     resp_id, _ = _ids(result)
     p, c = len(result.prompt_token_ids), len(result.token_ids)
     return {
-        "id": resp_id, "object": "response", "created_at": result.created, "status": status,
-        "error": None,
+        "id": resp_id, "object": "response", "created_at": result.created, "completed_at": result.created,
+        "status": status, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": result.model,
         "output": output, "parallel_tool_calls": True, "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": None, "summary": None}, "store": req.store is not False,
-        "temperature": req.temperature, "text": {"format": {"type": "text"}},
-        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "tools": [t.model_dump(mode="json", exclude_none=True) for t in call.tools],
-        "top_logprobs": req.top_logprobs, "top_p": req.top_p, "truncation": "disabled", "metadata": {},
+        "reasoning": {"effort": None, "summary": None}, "store": req.store is not False, "background": False,
+        "temperature": result.temperature, "top_p": result.top_p, "top_logprobs": req.top_logprobs or 0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "text": {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "max_tool_calls": None,
+        "tools": [t.model_dump(mode="json") for t in call.tools], "service_tier": "default",
+        "truncation": "disabled", "metadata": req.metadata or {}, "safety_identifier": req.safety_identifier,
+        "prompt_cache_key": req.prompt_cache_key,
         "usage": {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                   "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c},
         "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids, **result.extra,
