@@ -342,8 +342,9 @@ def export_cmd(
     advantage: str = typer.Option("grpo", help="group advantage: grpo, rloo or none (= the reward)"),
     adv_epsilon: float = typer.Option(1e-6, help="grpo: added to the group std"),
     std_normalize: bool = typer.Option(True, help="grpo: divide by the group std"),
-    fmt: str = typer.Option("openrlhf", "--format", help="openrlhf, slime, verl, trl, or parquet/jsonl (full record)"),
-    file_type: str = typer.Option(None, help="parquet (default) or jsonl, for the trainer formats"),
+    fmt: str = typer.Option("openrlhf", "--format", help="openrlhf, slime, verl, trl, parquet/jsonl (full record), "
+                                                          "or atif (an ATIF trajectory per line, JSONL)"),
+    file_type: str = typer.Option(None, help="parquet (default) or jsonl, for the trainer formats (atif: jsonl)"),
     unit: str = typer.Option("segment", help="one sample per segment or per turn"),
     out: str = typer.Option("exports", help="output directory (with --consumer: that consumer's directory)"),
     name: str = typer.Option(None, help="file name of a one-shot export (default: <first batch>.<format>.<ext>)"),
@@ -371,14 +372,22 @@ def export_cmd(
         raise typer.BadParameter(str(exc)) from exc
     if follow and not consumer:
         raise typer.BadParameter("--follow needs --consumer NAME")
+    if consumer and shape == "atif":
+        raise typer.BadParameter("--format atif is a one-shot export; a consumer (--consumer) delivers the trainer "
+                                 "formats and the full record")
+    from rollout_ledger.shared.errors import RolloutError
+
     if not consumer:
         path = Path(out) / (name or f"{(batch or ['export'])[0]}.{fmt if shape != 'full' else 'full'}.{ext}")
-        result = export(url, sel, path, fmt, file_type, the_unit, chunk=settings.export_chunk,
-                        row_group_bytes=settings.export_row_group_mb << 20)
+        try:
+            result = export(url, sel, path, fmt, file_type, the_unit, chunk=settings.export_chunk,
+                            row_group_bytes=settings.export_row_group_mb << 20)
+        except RolloutError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
         typer.echo(f"{result.records} records -> {result.path}")
         return
     from rollout_ledger.services.exporter.follow import follow_consumer
-    from rollout_ledger.shared.errors import RolloutError
     from rollout_ledger.shared.kit.logging import configure_logging
 
     configure_logging(settings.log_level, settings.log_format, service="exporter")

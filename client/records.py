@@ -139,5 +139,10 @@ FIELDS: dict[str, tuple[str, ...] | None] = {
 SAMPLE_SHAPES = ("openrlhf", "slime", "verl", "trl")
 """Trainer shapes: one record per span."""
 
-FORMATS = (*SAMPLE_SHAPES, "parquet", "jsonl")
-"""``--format`` values: a trainer shape (written as Parquet or JSONL), or the full record as Parquet / JSONL."""
+DOCUMENT_FORMATS = ("atif",)
+"""Formats of one JSON document per trajectory, mapped by the exporter (``services/exporter/atif.py``: the Agent
+Trajectory Interchange Format), not record shapes of this package; written as JSONL."""
+
+FORMATS = (*SAMPLE_SHAPES, "parquet", "jsonl", *DOCUMENT_FORMATS)
+"""``--format`` values: a trainer shape (written as Parquet or JSONL), the full record as Parquet / JSONL, or a
+document format (JSONL)."""

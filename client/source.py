@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Generator, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -206,7 +206,7 @@ _DONE = object()
 
 
 def stream(database_url: str, sel: Selection, chunk: int = CHUNK,
-           fields: Collection[str] | None = None) -> Iterator[Chunk]:
+           fields: Collection[str] | None = None) -> Generator[Chunk, None, None]:
     """Selected rows in chunks of at most ``chunk``: ``selection.stream_query`` (one statement, one snapshot), in
     export order.
 

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import structlog
 
 from rollout_ledger.client.cursor import Cursors, Position, Read
-from rollout_ledger.client.records import Unit
+from rollout_ledger.client.records import DOCUMENT_FORMATS, Unit
 from rollout_ledger.client.rows import Chunk
 from rollout_ledger.client.selection import Selection
 from rollout_ledger.services.exporter.export import shape_and_file_type
@@ -59,6 +59,8 @@ class Follower:
                  file_type: str | None = None, unit: Unit = Unit.SEGMENT, batch_size: int = 256,
                  start: str = "earliest", metrics: ExportMetrics | None = None) -> None:
         self.shape, self.ext = shape_and_file_type(fmt, file_type)
+        if self.shape in DOCUMENT_FORMATS:
+            raise ValueError(f"--format {fmt} is a one-shot export; a consumer delivers the record shapes")
         self.metrics = metrics
         self.last_step = time.monotonic()
         """When the last read (or the start) finished: a liveness check compares it with the clock."""

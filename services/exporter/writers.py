@@ -1,6 +1,7 @@
 """Atomic Parquet / JSONL export files (written to ``<name>.partial``, fsynced, renamed) and the writing of chunks
 into them: Parquet takes each chunk as one columnar table (``tables.table``), gathered into row groups of about
-``row_group_bytes`` of Arrow data, JSONL record by record, read off the same table (``tables.records``)."""
+``row_group_bytes`` of Arrow data, JSONL record by record, read off the same table (``tables.records``); records
+built per trajectory (ATIF documents) are written as JSONL by ``write_jsonl``."""
 
 from __future__ import annotations
 
@@ -104,13 +105,7 @@ class AtomicWriter:
         else:
             with open(self.tmp, "rb") as fh:
                 os.fsync(fh.fileno())
-        self.tmp.replace(self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        return self.path
+        return _rename_durably(self.tmp, self.path)
 
     def abort(self) -> None:
         self._group, self._group_bytes = [], 0
@@ -124,6 +119,17 @@ class AtomicWriter:
             self._fh.close()
             self._fh = None
         self.tmp.unlink(missing_ok=True)
+
+
+def _rename_durably(tmp: Path, path: Path) -> Path:
+    """Rename the fsynced ``tmp`` to ``path`` and fsync the directory (the rename survives a crash)."""
+    tmp.replace(path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
 
 
 class _RowGroups:
@@ -175,4 +181,24 @@ def write_file(path: Path, file_type: str, shape: str, chunks: Iterable[Chunk], 
         return writer.commit(metadata), writer.count
     except BaseException:
         writer.abort()
+        raise
+
+
+def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> tuple[Path, int]:
+    """Write records built elsewhere (ATIF documents: ``atif.document``) as JSONL, one per line, atomically as
+    ``AtomicWriter`` does (``path.partial``, fsync, rename; nothing at ``path`` when a record fails); returns the path
+    and the number of records."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    count = 0
+    try:
+        with open(tmp, "wb") as fh:
+            for record in records:
+                fh.write(jsonl_line(record))
+                count += 1
+            fh.flush()
+            os.fsync(fh.fileno())
+        return _rename_durably(tmp, path), count
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise

@@ -12,6 +12,7 @@ import numpy as np
 import psycopg
 
 from rollout_ledger.client.source import libpq_url
+from rollout_ledger.shared.ids import step_id, turn_request_id
 
 
 @dataclass
@@ -27,6 +28,8 @@ class Traj:
     """Episode status when it differs from the trajectory's (None: the same)."""
     with_trajectory: bool = True
     attempt: int = 1
+    actions: Sequence[str] | None = None
+    """Action text of each turn for ``seed_turns`` (default ``action {k}``)."""
 
 
 @dataclass
@@ -112,6 +115,66 @@ def seed_batch(database_url: str, batch_id: str, groups: Sequence[Sequence[Traj]
                      len(a.segments), created_at))
             out.append(ids)
     return out
+
+
+@dataclass
+class TurnRows:
+    """What ``seed_turns`` stores for one turn of ``arrays(t, seed)``: the sampled ids and their logprobs, the ids
+    after them up to the next turn (or the end: the step's observation ids), and the turn's context length."""
+
+    turn_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    observation_token_ids: list[int]
+    prompt_len: int
+    new_segment: bool
+    weight_version: int
+    action: str
+    observation: str
+
+
+def turn_rows(t: Traj, seed: int = 0) -> list[TurnRows]:
+    """The turns ``arrays(t, seed)`` was laid out from, as the recorder's assembly would have joined them: turn k's
+    observation ids run from its sampled ids to turn k + 1's (a segment starting among them: ``new_segment``)."""
+    a = arrays(t, seed)
+    out = []
+    for k, (lo, hi) in enumerate(a.action_ranges):
+        nxt = a.action_ranges[k + 1][0] if k + 1 < len(a.action_ranges) else len(a.token_ids)
+        seg_start = max(s for s, _ in a.segments if s <= lo)
+        out.append(TurnRows(
+            k, a.token_ids[lo:hi].tolist(), a.logprobs[lo:hi].tolist(), a.token_ids[hi:nxt].tolist(), lo - seg_start,
+            any(hi < s <= nxt for s, _ in a.segments), int(a.weight_versions[lo]),
+            t.actions[k] if t.actions is not None else f"action {k}",
+            f"observation {k}" if nxt > hi else ""))
+    return out
+
+
+def seed_turns(database_url: str, batch_id: str, groups: Sequence[Sequence[Traj]]) -> None:
+    """The kept turns and steps (``turns``, ``steps`` rows) of the trajectories ``seed_batch`` stored for ``groups``
+    (event ids as ``shared/ids.py`` spells them)."""
+    with psycopg.connect(libpq_url(database_url)) as conn, conn.cursor() as cur:
+        for ti, group in enumerate(groups):
+            for gi, t in enumerate(group):
+                if not t.with_trajectory:
+                    continue
+                eid = f"{batch_id}.{ti}.{gi}"
+                for r in turn_rows(t, seed=ti * 10 + gi):
+                    turn_id = turn_request_id(eid, t.attempt, r.turn_index, 0)
+                    cur.execute(
+                        "INSERT INTO turns (event_id, episode_id, attempt, turn_index, prompt_len, token_ids, "
+                        "logprobs, finish_reason, weight_version, engine, worker_id, queue_ms, generate_ms, "
+                        "cached_tokens, produced_at) VALUES (%s, %s, %s, %s, %s, %s, %s::float4[], 'stop', %s, "
+                        "'fake', 'w0', 0.5, 2.0, 0, now())",
+                        (turn_id, eid, t.attempt, r.turn_index, r.prompt_len, r.token_ids, r.logprobs,
+                         r.weight_version))
+                    cur.execute(
+                        "INSERT INTO steps (event_id, episode_id, attempt, turn_index, turn_event_id, action, "
+                        "observation, observation_token_ids, reward, terminated, truncated, info, step_ms, "
+                        "new_segment, produced_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, false, %s, 1.0, "
+                        "%s, now())",
+                        (step_id(eid, t.attempt, r.turn_index), eid, t.attempt, r.turn_index, turn_id, r.action,
+                         r.observation, r.observation_token_ids, 0.0, r.observation == "",
+                         json.dumps({"turn": r.turn_index}), r.new_segment))
 
 
 def run(database_url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:

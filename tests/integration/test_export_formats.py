@@ -5,16 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import pytest
+from atif import Trajectory
+from typer.testing import CliRunner
 
+from rollout_ledger.cli.main import app
+from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.client.reader import TrajectoryReader
 from rollout_ledger.client.records import SCHEMAS, Unit
 from rollout_ledger.client.selection import Selection
 from rollout_ledger.services.exporter.export import export, export_batch
-from tests.integration.export_data import Traj, arrays, run, seed_batch
+from rollout_ledger.shared.errors import SchemaError
+from tests.integration.export_data import Traj, arrays, run, seed_batch, seed_turns
+from tests.integration.test_pipeline import REWRITING_TEMPLATE, start_all, submit_and_wait
 
 SEGMENTED = Traj(reward=0.0, status="truncated", segments=((4, ((3, 2), (2, 1))), (6, ((2, 0),))), versions=(1, 2, 2))
 PLAIN = Traj(reward=1.0)
@@ -165,3 +172,113 @@ def test_every_record_carries_its_task_and_task_index(database_url: str, tmp_pat
         assert got == want and batch.numpy()["task_index"].dtype.name == "int32"
         assert set(batch.table.column("task").to_pylist()) == {'{"seed":0}', '{"seed":1}', '{"seed":2}'}
         batch.ack()
+
+
+TOOL_TURN = Traj(reward=0.5, segments=((5, ((4, 3), (3, 0))),), versions=(3, 4), actions=(
+    'Let me look. <tool_call>{"name": "get_order", "arguments": {"order_id": "A1"}}</tool_call>', "It shipped."))
+
+
+def exported_atif(database_url: str, sel: Selection, path: Path) -> list[Trajectory]:
+    """``sel`` exported as ATIF, every line checked: the ``atif`` models accept it, and it is token-exact: each agent
+    step's ids, logprobs, weight version and context length are those of the turn Postgres holds for it, and its ids
+    and logprobs the full record's (of the same selection) at its place; the prompt followed by every step's sampled
+    and observation ids is the trajectory."""
+    res = export(database_url, sel, path, "atif")
+    lines = res.path.read_text().splitlines()
+    assert res.records == len(lines)
+    docs = [Trajectory.model_validate_json(line) for line in lines]
+    full_path = export(database_url, sel, path.with_suffix(".full.jsonl"), "jsonl").path
+    full = [json.loads(x) for x in full_path.read_text().splitlines()]
+    kept = {(r[0], r[1], r[2]): r[3:] for r in run(
+        database_url, "SELECT s.episode_id, s.attempt, s.turn_index, t.token_ids, t.logprobs, t.weight_version, "
+                      "t.prompt_len FROM trajectories tr JOIN steps s ON s.episode_id = tr.episode_id AND "
+                      "s.attempt = tr.attempt AND s.turn_index < tr.num_turns JOIN turns t ON t.event_id = "
+                      "s.turn_event_id")}
+    for doc, rec in zip(docs, full, strict=True):
+        eid, attempt, extra = rec["episode_id"], rec["attempt"], doc.extra or {}
+        assert (doc.schema_version, doc.session_id, doc.trajectory_id) == ("ATIF-v1.8", eid, f"{eid}:a{attempt}")
+        assert (extra["episode_id"], extra["batch_id"], extra["group_id"], extra["attempt"]) == (
+            eid, rec["batch_id"], rec["group_id"], attempt)
+        assert (extra["reward"], extra["status"], extra["segments"]) == (rec["reward"], rec["status"], rec["segments"])
+        assert doc.steps[0].source == "user" and doc.steps[0].message == rec["prompt_text"]
+        agent = doc.steps[1:]
+        assert [s.source for s in agent] == ["agent"] * rec["num_turns"]
+        ids, lps = rec["token_ids"], np.array(rec["logprobs"], np.float32)
+        rebuilt = ids[:rec["prompt_len"]]
+        for k, step in enumerate(agent):
+            m = step.metrics
+            assert m is not None and step.extra is not None and m.logprobs is not None
+            sampled_ids, sampled_lps, version, prompt_len = kept[(eid, attempt, k)]
+            a, b = step.extra["sampled_range"]
+            assert m.completion_token_ids == sampled_ids == ids[a:b]
+            assert np.array_equal(np.array(m.logprobs, np.float32), np.array(sampled_lps, np.float32))
+            assert np.array_equal(np.array(m.logprobs, np.float32), lps[a:b])
+            assert (m.extra or {})["weight_version"] == version
+            seg_start = rec["segments"][step.extra["segment"]][0]
+            assert m.prompt_token_ids == ids[seg_start:a] and m.prompt_tokens == a - seg_start == prompt_len
+            obs = (step.observation.results[0].extra or {})["token_ids"] if step.observation else []
+            rebuilt = rebuilt + m.completion_token_ids + obs
+        assert rebuilt == ids
+        assert doc.final_metrics is not None and doc.final_metrics.total_completion_tokens == rec["num_sampled_tokens"]
+    return docs
+
+
+def test_atif(database_url: str, tmp_path: Path) -> None:
+    """Every trajectory as one ATIF v1.8 line, token-exact (``exported_atif``), with its segments, tool calls and
+    reward."""
+    groups = [[PLAIN, SEGMENTED], [TOOL_TURN]]
+    seed_batch(database_url, "at", groups)
+    seed_turns(database_url, "at", groups)
+    docs = exported_atif(database_url, Selection(batch_ids=("at",)), tmp_path / "at.atif.jsonl")
+    assert len(docs) == 3
+    seg = docs[1]
+    assert [s.extra["segment"] for s in seg.steps[1:] if s.extra] == [0, 0, 1]
+    tool = docs[2]
+    step = tool.steps[1]
+    assert step.message == "Let me look." and step.tool_calls is not None
+    (call,) = step.tool_calls
+    assert (call.function_name, call.arguments) == ("get_order", {"order_id": "A1"})
+    assert step.observation is not None and step.observation.results[0].source_call_id == call.tool_call_id
+    assert tool.steps[2].message == "It shipped." and tool.steps[2].tool_calls is None
+    assert (tool.extra or {})["reward"] == 0.5 and [(s.metrics.extra or {})["weight_version"]
+                                                   for s in tool.steps[1:] if s.metrics] == [3, 4]
+
+
+def test_atif_of_recorded_episodes(stack: Stack, database_url: str, tmp_path: Path) -> None:
+    """Episodes the pipeline ran and the recorder stored (the fake engine; a history-rewriting template, so every
+    turn after the first starts a new segment) export as token-exact ATIF: each turn's context is its segment."""
+    template = tmp_path / "rewriting.jinja"
+    template.write_text(REWRITING_TEMPLATE)
+    url = start_all(stack, ROLLOUT_CHAT_TEMPLATE=str(template))
+    info = submit_and_wait(url, env="fixed-turns", tasks=[{"turns": 3}], group_size=2, max_turns=4,
+                           sampling={"max_tokens": 12})
+    docs = exported_atif(database_url, Selection(batch_ids=(str(info["batch_id"]),)), tmp_path / "run.atif.jsonl")
+    assert len(docs) == 2
+    for doc in docs:
+        assert [(s.extra or {})["segment"] for s in doc.steps[1:]] == [0, 1, 2]
+        assert [(s.extra or {})["new_segment"] for s in doc.steps[1:]] == [True, True, False]
+
+
+def test_atif_refuses_what_it_cannot_write(database_url: str, tmp_path: Path) -> None:
+    """ATIF is JSONL only; a trajectory whose turns are not stored, or disagree with it, is an error naming it
+    (and no file is left), never a line skipped."""
+    groups = [[PLAIN, SEGMENTED]]
+    seed_batch(database_url, "ax", groups)
+    sel = Selection(batch_ids=("ax",))
+    with pytest.raises(ValueError, match="JSONL only"):
+        export(database_url, sel, tmp_path / "a.parquet", "atif", "parquet")
+    with pytest.raises(SchemaError, match=r"trajectory ax\.0\.0 attempt 1: the step of turn 0 is not stored"):
+        export(database_url, sel, tmp_path / "a.jsonl", "atif")
+    assert not list(tmp_path.iterdir())
+    seed_turns(database_url, "ax", groups)
+    run(database_url, "UPDATE turns SET token_ids[1] = token_ids[1] + 1 WHERE episode_id = 'ax.0.1' AND turn_index = 1")
+    with pytest.raises(SchemaError, match=r"trajectory ax\.0\.1 attempt 1: the sampled ids of turn 1"):
+        export(database_url, sel, tmp_path / "a.jsonl", "atif")
+    assert not list(tmp_path.iterdir())
+    runner, env = CliRunner(), {"DATABASE_URL": database_url}
+    bad = runner.invoke(app, ["export", "--batch", "ax", "--format", "atif", "--file-type", "parquet"], env=env)
+    assert bad.exit_code == 2 and "JSONL only" in bad.output, bad.output
+    bad = runner.invoke(app, ["export", "--consumer", "c", "--format", "atif"], env=env)
+    assert bad.exit_code == 2 and "one-shot export" in bad.output, bad.output
+    bad = runner.invoke(app, ["export", "--batch", "ax", "--format", "atif", "--out", str(tmp_path)], env=env)
+    assert bad.exit_code == 1 and "trajectory ax.0.1 attempt 1" in bad.output, bad.output
