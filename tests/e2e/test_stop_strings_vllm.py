@@ -2,9 +2,10 @@
 tests/e2e/conftest.py): the reply's content ends before the stop string, with nothing after it, while the ids vLLM
 sampled (through the one completing the stop string, which may carry more text) are recorded verbatim.
 
-The same rules on the fake engine: tests/unit/test_openai_semantics.py. The ``llm-comply`` OpenAI Chat checks also
-run here against a session served by vLLM (every check that applies passes, tool calling with ``tool_choice:
-"required"`` included); tests/integration/test_llm_comply.py runs them against the in-test policy.
+The same rules on the fake engine: tests/unit/test_openai_semantics.py. The ``llm-comply`` checks of each category the
+endpoint speaks (OpenAI Chat, Open Responses, Anthropic) also run here against a session served by vLLM (every check
+that applies passes, forced tool calls included); tests/integration/test_llm_comply.py runs them against the in-test
+policy.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
 from tests.helpers import AUTH, Sql, wait_for
 from tests.integration.test_agents import check_segments
-from tests.integration.test_llm_comply import MODEL, NOT_RUN, RUN, comply_env, run_suite
+from tests.integration.test_llm_comply import CATEGORIES, MODEL, Category, comply_env, run_suite
 from tests.unit.test_openai_semantics import EngineEpisode, open_in_process
 
 pytestmark = pytest.mark.e2e
@@ -80,24 +81,25 @@ async def test_a_stop_string_inside_a_token_is_cut_and_the_ids_kept(vllm_engine:
     assert transcript is not None and all(transcript.check_results())
 
 
+@pytest.mark.parametrize("category", list(CATEGORIES.values()), ids=list(CATEGORIES))
 def test_llm_comply_against_a_session_on_vllm(stack: Stack, database_url: str, tmp_path: Path,
-                                              vllm_worker: InProcessWorker) -> None:
+                                              vllm_worker: InProcessWorker, category: Category) -> None:
     stack.start("env-worker", **comply_env(ROLLOUT_MAX_MODEL_LEN=str(E2E_MAX_MODEL_LEN)))
     stack.start("recorder")
     url = stack.start("scheduler").url
     handoff, release = tmp_path / "session.json", tmp_path / "release"
     resp = httpx.post(f"{url}/v1/batches", headers=AUTH, timeout=30, json={
         "env": "comply", "tasks": [{"handoff": str(handoff), "release": str(release)}], "max_turns": 16,
-        "sampling": {"max_tokens": 64, "temperature": 0.0}})
+        "sampling": {"max_tokens": 256, "temperature": 0.0}})  # room for a whole answer: the checks want "completed"
     assert resp.status_code == 201, resp.text
     wait_for(handoff.exists, 120, "the agent to hand its session over")
-    results = run_suite(json.loads(handoff.read_text()), MODEL)
+    results = run_suite(json.loads(handoff.read_text()), MODEL, category)
     release.touch()
-    for rid in RUN:
+    for rid in category.run:
         r = results[rid]
-        print(f"llm-comply on vLLM {rid}: {r.status.value} {r.errors} {r.warnings}")
-    for rid, reason in NOT_RUN.items():
-        print(f"llm-comply on vLLM {rid}: not run ({reason})")
+        print(f"llm-comply {category.name} on vLLM {rid}: {r.status.value} {r.errors} {r.warnings}")
+    for rid, reason in category.not_run.items():
+        print(f"llm-comply {category.name} on vLLM {rid}: not run ({reason})")
     sql = Sql(database_url)
     try:
         batch_id = resp.json()["batch_id"]
@@ -106,5 +108,6 @@ def test_llm_comply_against_a_session_on_vllm(stack: Stack, database_url: str, t
         check_segments(sql, sql.scalar("select id from episodes where batch_id = :b", b=batch_id))
     finally:
         sql.close()
-    # every check run passes, tool calling too: its tool_choice 'required' is enforced by vLLM's grammar
-    assert all(results[rid].status.value == "passed" for rid in RUN), {rid: results[rid].errors for rid in RUN}
+    # every check run passes, tool calling too: its forced call is enforced by vLLM's grammar
+    run = category.run
+    assert all(results[rid].status.value == "passed" for rid in run), {rid: results[rid].errors for rid in run}
