@@ -1,7 +1,7 @@
 """Cost of the streamed texts of one turn (one piece per sampled id): per-prefix decoding versus ``DecodeStream``.
 
 The session endpoint streams a turn as one chunk per sampled id, each carrying the text that id adds. The
-baseline (``per_prefix_texts``, what ``sessions/mapping.token_texts`` did before) decodes every prefix of the
+baseline (``per_prefix_texts``, what ``sessions/turns.token_texts`` did before) decodes every prefix of the
 turn: O(n²) in the turn's length. ``ChatTokenizer.stream_texts`` steps a ``tokenizers`` ``DecodeStream`` once
 per id and checks the result once against the whole decode: O(n). Both are timed on 64-, 512- and 4,096-token
 turns of the real SmolLM2 tokenizer (English, accents, CJK and emoji, so characters split across ids) and

@@ -2,7 +2,7 @@
 
 Pure functions. ``scan_blocks`` is the one scanner of ``<tool_call>`` blocks: the built-in tool environments
 take at most one call from it (``parse_turn``: the first, as in the slime tau-bench agent;
-``AgentTurn.extra_calls`` counts the others) and the session endpoint (``env_worker/sessions/mapping.py``)
+``AgentTurn.extra_calls`` counts the others) and the session endpoint (``env_worker/sessions/turns.py``)
 turns every block into an OpenAI tool call. Everything wrong with a call raises ``ToolCallError`` with a
 ``ToolCallErrorKind``; the environment decides whether that is an error observation for the model or the end
 of the episode.
