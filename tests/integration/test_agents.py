@@ -89,6 +89,9 @@ async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NAT
                                          "The sum is 9."]),
         # the OpenAI Agents SDK (OpenAIChatCompletionsModel + Runner.run): tool call, tool output, final answer
         "openai_agents": ({"a": 6, "b": 7}, [format_call("add_numbers", {"a": 6, "b": 7}), "The sum is 13."]),
+        # the same with the SDK's default model: the Responses API (/v1/responses), function_call items
+        "openai_agents_responses": ({"a": 8, "b": 9},
+                                    [format_call("add_numbers", {"a": 8, "b": 9}), "The sum is 17."]),
     }
     items = {}
     held = work_item("plain", {"question": "held"}, max_turns=4)  # its first generation never returns in time
@@ -104,7 +107,8 @@ async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NAT
     ends = {name: await terminal_of(js, item.episode_id, timeout_s=60) for name, item in items.items()}
 
     turns = {"langchain": 3}
-    for name in ("plain", "streaming", "tools", "rewrite", "calculator", "langchain", "openai_agents"):
+    for name in ("plain", "streaming", "tools", "rewrite", "calculator", "langchain", "openai_agents",
+                 "openai_agents_responses"):
         assert ends[name].type == "episode.finished", (name, ends[name])
         assert ends[name].status == "completed" and ends[name].num_turns == turns.get(name, 2), (name, ends[name])
         assert ends[name].info["token_check"] == "ok", (name, ends[name].info)
@@ -120,13 +124,17 @@ async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NAT
     assert lc.info["drifts"] == [{"turn": 0, "class": "history_rewrite"}]
     assert oa.reward == 1.0 and oa.info["answer"] == "The sum is 13." and "drifts" not in oa.info
     assert oa.info["agent_info"] == {"tool_calls": 1, "requests": 2}
+    oar = ends["openai_agents_responses"]
+    assert oar.reward == 1.0 and oar.info["answer"] == "The sum is 17." and "drifts" not in oar.info
+    assert oar.info["agent_info"] == {"tool_calls": 1, "requests": 2, "model": "OpenAIResponsesModel"}
     # the batch's sampling unless the call sets its own: plain asked for top_logprobs=2 and seed 1
     first = next(r for r in policy.requests if r.episode_id == items["plain"].episode_id)
     assert first.sampling.logprobs == 2 and first.sampling.seed == 1 and first.max_tokens == 24
     sdk_requests = {name: [r for r in policy.requests if r.episode_id == items[name].episode_id]
-                    for name in ("langchain", "openai_agents")}
+                    for name in ("langchain", "openai_agents", "openai_agents_responses")}
     assert [r.max_tokens for r in sdk_requests["langchain"]] == [48] * 3  # max_completion_tokens
     assert [(r.max_tokens, r.sampling.logprobs) for r in sdk_requests["openai_agents"]] == [(48, 1)] * 2
+    assert [(r.max_tokens, r.sampling.logprobs) for r in sdk_requests["openai_agents_responses"]] == [(48, 1)] * 2
 
     raised, silent, sleepy = ends["raises"], ends["silent"], ends["sleepy"]
     assert (raised.type, raised.failure_class) == ("episode.failed", "agent")
@@ -146,7 +154,8 @@ async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NAT
             return bool(n == len(items))
 
         wait_for(recorded, 30, "every agent episode recorded")
-        for name in ("plain", "streaming", "tools", "rewrite", "calculator", "langchain", "openai_agents"):
+        for name in ("plain", "streaming", "tools", "rewrite", "calculator", "langchain", "openai_agents",
+                 "openai_agents_responses"):
             assert check_token_exact(sql, items[name].batch_id) == 1
             tr = check_segments(sql, items[name].episode_id)
             assert tr["num_segments"] == (2 if name in ("rewrite", "langchain") else 1)
