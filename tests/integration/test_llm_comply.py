@@ -47,6 +47,8 @@ TEXT_ONLY = "image input cannot apply: the policy is a text-only model, and the 
     "with a 400 naming the part (asserted below)"
 NOT_REASONING = "cannot apply: the policy is not a reasoning model (no reasoning summary or thinking blocks); the " \
     "suite itself skips it for any model outside o1/o3/o4/gpt-5/deepseek-r"
+NO_THINKING = "cannot apply: the policy is not a reasoning model, so no reply carries a thinking block (the endpoint " \
+    "accepts the thinking config and invents none); the suite itself skips it for any model not named claude-*"
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ RESPONSES = Category("open-responses", OPEN_RESPONSES_TESTS, "openresponses.json
                      no_turn=("error-handling", "compact-response", "compact-missing-model"),
                      image_check="image-input", image_param="input[0].content[1]", forced=["get_weather"])
 ANTHROPIC = Category("anthropic", ANTHROPIC_TESTS, "anthropic.json",
-                     {"anth-image-input": TEXT_ONLY, "anth-thinking-display": NOT_REASONING},
+                     {"anth-image-input": TEXT_ONLY, "anth-thinking-display": NO_THINKING},
                      no_turn=("anth-error-handling",), image_check="anth-image-input",
                      image_param="messages[0].content[1]", forced=["get_weather"],
                      auth_header="x-api-key", bearer=False, headers={"anthropic-version": "2023-06-01"})

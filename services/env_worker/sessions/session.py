@@ -303,14 +303,16 @@ def _tools_key(tools: list[dict[str, Any]] | None) -> str:
 
 
 def _sampling(base: SamplingParams, req: TurnRequest) -> SamplingParams:
-    """The batch's sampling parameters with what the call sets (temperature, top_p, stop, seed, top_logprobs, and
-    the tool call it forces: the call decides that, whatever the batch's parameters say)."""
+    """The batch's sampling parameters with what the call sets (temperature, top_p, top_k, stop, seed, top_logprobs,
+    and the tool call it forces: the call decides that, whatever the batch's parameters say)."""
     values = base.model_dump()
     values["tool_call"] = req.tool_call
     if req.temperature is not None:
         values["temperature"] = req.temperature
     if req.top_p is not None:
         values["top_p"] = req.top_p
+    if req.top_k is not None:
+        values["top_k"] = req.top_k
     if req.stop is not None:
         values["stop"] = req.stop
     if req.seed is not None:

@@ -72,6 +72,8 @@ class TurnRequest:
     """``SamplingParams.tool_call``: the call the turn must make (names and their parameter schemas)."""
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    """Top-k cut-off (-1: none; None: the batch's)."""
     stop: list[str] | None = None
     """Stop strings (None: the batch's)."""
     seed: int | None = None
