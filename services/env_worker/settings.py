@@ -46,9 +46,10 @@ class EnvWorkerSettings(ConsumerSettings):
     envs: str = ""
     """Comma-separated environment names this worker runs and registers; empty means all built-ins."""
     agents: str = ""
-    """Agent functions run as envs, ``name=module:function,...``: each ``async def run(task, client)`` gets an
+    """Agents run as envs, ``name=module:attr,...``: each ``async def run(task, client)`` gets an
     ``openai.AsyncOpenAI`` client on its episode's session endpoint and returns the reward (or a dict with
-    ``reward``, ``info``, ``answer``); the name is registered as an env."""
+    ``reward``, ``info``, ``answer``); an attribute that is a ``CommandAgent`` (agents/command.py) is a harness
+    process run per episode, pointed at its session. The name is registered as an env."""
     agent_timeout_s: float = Field(600.0, ge=0)
     """Deadline of one agent episode: past it the agent and its in-flight generations are cancelled and the
     episode fails with class ``timeout``. 0: no deadline (``episode_timeout_s``, when set and nearer, applies)."""

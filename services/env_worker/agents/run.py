@@ -1,5 +1,6 @@
-"""One call of an agent function and what came of it: loading ``name=module:function`` entries, running one
-against its session URL (in the env worker or in an agent process), and the outcome as plain data.
+"""One call of an agent and what came of it: loading ``name=module:attr`` entries (an agent function, or a
+``command.CommandAgent``), running one against its session URL (in the env worker or in an agent process), and the
+outcome as plain data.
 
 Kept free of the worker's bus, driver and tokenizer imports: agent processes (``process``) import it, and
 their start-up cost is what they import.
@@ -17,9 +18,12 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import orjson
+
+if TYPE_CHECKING:
+    from rollout_ledger.services.env_worker.agents.command import CommandAgent
 
 AgentFunction = Callable[[dict[str, Any], Any], Awaitable[Any]]
 """``async def run(task: dict, client: openai.AsyncOpenAI) -> float | dict``."""
@@ -29,23 +33,27 @@ REASON_CHARS = 1900
 
 
 class AgentLoadError(ValueError):
-    """An agent entry cannot be parsed or its function imported (the worker refuses to start)."""
+    """An agent entry cannot be parsed or its function or command imported (the worker refuses to start)."""
 
 
 @dataclass(frozen=True)
 class AgentSpec:
-    """A registered agent function."""
+    """A registered agent: a function, or a command line (``command``)."""
 
     name: str
     """The env name batches use."""
     target: str
-    """``module:function``."""
-    function: AgentFunction
+    """``module:attr``."""
+    function: AgentFunction | None
+    """The agent function (None for a command)."""
     description: str = ""
+    command: CommandAgent | None = None
+    """The harness process run per episode, when the entry names a ``CommandAgent``."""
 
     def advert(self, registered_by: str) -> dict[str, Any]:
         """The ``rl_envs`` bucket value (the scheduler accepts the name as an env)."""
-        return {"name": self.name, "description": self.description or f"agent function {self.target}",
+        kind = "agent command" if self.command is not None else "agent function"
+        return {"name": self.name, "description": self.description or f"{kind} {self.target}",
                 "multi_turn": True, "example_task": {}, "registered_by": registered_by, "kind": "agent",
                 "agent": self.target}
 
@@ -70,7 +78,9 @@ def parse_agents(value: str) -> dict[str, str]:
 
 
 def load_agent(name: str, target: str) -> AgentSpec:
-    """Import ``module:function`` (an ``async def`` taking ``(task, client)``)."""
+    """Import ``module:attr``: an ``async def`` taking ``(task, client)``, or a ``CommandAgent``."""
+    from rollout_ledger.services.env_worker.agents.command import CommandAgent
+
     module_name, _, attr = target.partition(":")
     if os.getcwd() not in sys.path:  # as uvicorn does: modules of the directory the worker runs in import
         sys.path.insert(0, os.getcwd())
@@ -83,8 +93,11 @@ def load_agent(name: str, target: str) -> AgentSpec:
         function = getattr(function, part, None)
         if function is None:
             raise AgentLoadError(f"agent {name!r}: {module_name} has no {attr}")
+    if isinstance(function, CommandAgent):
+        return AgentSpec(name=name, target=target, function=None, description=function.summary(), command=function)
     if not inspect.iscoroutinefunction(function):
-        raise AgentLoadError(f"agent {name!r}: {target} must be an async function run(task, client)")
+        raise AgentLoadError(f"agent {name!r}: {target} must be an async function run(task, client) or a "
+                             "CommandAgent")
     doc = inspect.getdoc(function) or ""
     return AgentSpec(name=name, target=target, function=function, description=doc.split("\n", 1)[0])
 
@@ -239,7 +252,11 @@ def openai_client(run: AgentRun, http: SharedHttpClient) -> Any:
 
 
 async def run_agent(spec: AgentSpec, run: AgentRun, http: SharedHttpClient) -> RunOutcome:
-    """Call ``spec``'s function on ``run`` within its deadline; cancellation from outside propagates."""
+    """Call ``spec``'s function on ``run`` (or run its command) within its deadline; cancellation from outside
+    propagates (a command's process group is killed first)."""
+    if spec.command is not None:
+        return await spec.command.run(spec.name, run)
+    assert spec.function is not None  # an AgentSpec is a function or a command (load_agent)
     client = openai_client(run, http)
     timeout = asyncio.timeout(run.timeout_s or None)
     try:
