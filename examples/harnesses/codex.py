@@ -10,9 +10,9 @@ from ``OPENAI_API_KEY``, ``wire_api = "responses"``, no retries: a retried call 
 is written to its config. Its ``CODEX_HOME`` is under the episode's own ``HOME``. Every model call is a
 ``POST /v1/responses`` (streamed) with Codex's instructions and tools: one turn of the episode. Offline: analytics,
 feedback and OpenTelemetry export off, no update check, web search off, by its own config keys, and its plugins
-feature off (at start it syncs a plugin marketplace from GitHub and ChatGPT otherwise). Sub-agents are off too: their
-tools come as a ``namespace`` tool, which the session refuses, and a sub-agent's calls would interleave with the
-episode's own conversation.
+feature off (at start it syncs a plugin marketplace from GitHub and ChatGPT otherwise). Sub-agents are off too: a
+sub-agent's calls would interleave with the episode's own conversation (each a new segment); the session accepts
+their ``namespace`` tool, so leaving them on works too.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ OFFLINE = [
 
 FEATURES = [
     "--disable", "plugins",  # its plugin marketplace sync (github.com, api.github.com, chatgpt.com at start)
-    "--disable", "multi_agent",  # sub-agents: a `namespace` tool, which the session refuses (no executor behind it)
+    "--disable", "multi_agent",  # sub-agents: their calls would interleave with the episode's conversation
 ]
 """Codex features turned off."""
 

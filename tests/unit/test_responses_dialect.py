@@ -69,6 +69,30 @@ def test_input_items_become_the_canonical_conversation() -> None:
     assert turn.parse_tools and turn.tool_call is None
 
 
+def test_a_namespace_tools_functions_are_tools_and_their_calls_carry_it() -> None:
+    """Codex sends its sub-agent tools grouped as ``{"type": "namespace", "name", "tools": [...]}``."""
+    spawn = {"type": "function", "name": "spawn_agent", "description": "Start a sub-agent.",
+             "parameters": {"type": "object", "properties": {"task": {"type": "string"}}}}
+    body = {"model": "p", "input": "go", "tools": [TOOL, {"type": "namespace", "name": "multi_agent_v1",
+                                                          "description": "Sub-agents.", "tools": [spawn]}]}
+    turn, call = responses.parse(body, {})
+    assert [t["function"]["name"] for t in turn.tools or ()] == ["add", "spawn_agent"]
+    assert call.namespaces == {"spawn_agent": "multi_agent_v1"}
+    calls = [{"id": "call_abc", "type": "function", "function": {"name": "spawn_agent", "arguments": "{}"}},
+             {"id": "call_def", "type": "function", "function": {"name": "add", "arguments": "{}"}}]
+    result = TurnResult(turn=AssistantTurn(None, calls, "tool_calls"), stop_string=None, prompt_token_ids=[1],
+                        token_ids=[2], logprobs=None, token_texts=[], event_id="e:a1:t0:r1", model="p", created=1)
+    out = responses.response(result, call, {})
+    assert [(o["name"], o.get("namespace")) for o in out["output"]] == [("spawn_agent", "multi_agent_v1"),
+                                                                       ("add", None)]
+    assert [t["type"] for t in out["tools"]] == ["function", "namespace"]  # echoed as sent
+    for bad, param in (({"type": "namespace", "name": "x", "tools": [{"type": "web_search"}]}, "tools[1].tools[0]"),
+                       ({"type": "namespace", "name": "x", "tools": [TOOL]}, "tools[1].tools[0].name")):
+        with pytest.raises(ApiError) as err:
+            responses.parse({**body, "tools": [TOOL, bad]}, {})
+        assert err.value.param == param
+
+
 async def test_a_conversation_through_the_sdk_is_token_exact(served: Served, tok: ChatTokenizer) -> None:
     client, ep = served.client, served.episode
     r0 = await client.responses.create(model="policy", instructions="You add numbers.", input="Hi",

@@ -12,8 +12,9 @@ What it honours, and how:
 - ``previous_response_id`` names a response of this session (stored unless ``store`` is false): the conversation is
   that response's input items and output, then this call's input. So an agent that chains responses and one that
   resends its whole history give the same canonical conversation, and the transcript extends the same segment.
-- ``tools``: function tools (``{"type": "function", "name", "parameters", ...}``) render into the prompt like chat's;
-  built-in tools (web search, file search, computer use, code interpreter, MCP, ...) cannot run here and are a 400
+- ``tools``: function tools (``{"type": "function", "name", "parameters", ...}``) render into the prompt like chat's,
+  a ``namespace`` tool's functions too (a call of one carries its ``namespace``; Codex groups its sub-agent tools
+  so); built-in tools (web search, file search, computer use, code interpreter, MCP, ...) cannot run here and are a 400
   naming the tool. ``tool_choice`` is chat's (``auto``, ``none``, ``required``, a named function, ``allowed_tools``),
   enforced the same way (``SamplingParams.tool_call``).
 - ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, ``top_logprobs`` with
@@ -110,21 +111,41 @@ class ResponsesRequest(BaseModel):
         return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
 
-def _function_tools(req: ResponsesRequest) -> list[FunctionTool]:
-    out = []
-    for i, tool in enumerate(req.tools or ()):
+def _function_tools(req: ResponsesRequest) -> tuple[list[FunctionTool], dict[str, str]]:
+    """The request's function tools, a ``namespace`` tool's functions among them (Codex groups its sub-agent tools
+    so), and the namespace of each function that came from one (its calls carry it back)."""
+    out: list[FunctionTool] = []
+    namespaces: dict[str, str] = {}
+
+    def add(tool: Any, at: str, namespace: str | None) -> None:
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace" and namespace is None:
+            inner, name = tool.get("tools"), tool.get("name")
+            if not isinstance(inner, list) or not isinstance(name, str):
+                raise ApiError(400, f"{at}: a namespace tool needs a name and a list of tools", param=at)
+            for j, sub in enumerate(inner):
+                add(sub, f"{at}.tools[{j}]", name)
+            return
         if kind != "function":
-            raise ApiError(400, f"tools[{i}]: only function tools can run here, got {kind!r} (built-in tools such as "
-                           "web search, file search, computer use and MCP have no executor behind a session)",
-                           param=f"tools[{i}]")
+            raise ApiError(400, f"{at}: only function tools (also grouped in a namespace) can run here, got {kind!r} "
+                           "(built-in tools such as web search, file search, computer use and MCP have no executor "
+                           "behind a session)", param=at)
         try:
-            out.append(FunctionTool.model_validate(tool))
+            fn = FunctionTool.model_validate(tool)
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err["loc"])
-            raise ApiError(400, f"tools[{i}].{loc}: {err['msg']}", param=f"tools[{i}].{loc}") from None
-    return out
+            raise ApiError(400, f"{at}.{loc}: {err['msg']}", param=f"{at}.{loc}") from None
+        if any(t.name == fn.name for t in out):
+            raise ApiError(400, f"{at}.name: {fn.name!r} is named twice (a function's name is what the model calls)",
+                           param=f"{at}.name")
+        out.append(fn)
+        if namespace is not None:
+            namespaces[fn.name] = namespace
+
+    for i, tool in enumerate(req.tools or ()):
+        add(tool, f"tools[{i}]", None)
+    return out, namespaces
 
 
 def _tool_call_constraint(choice: Any, tools: list[FunctionTool]) -> tuple[dict[str, Any] | None, bool]:
@@ -237,8 +258,11 @@ def _stored(memory: dict[str, Any]) -> dict[str, dict[str, Any]]:
 class Call:
     """A validated call and what its response needs (the conversation to store, its request fields)."""
 
-    def __init__(self, req: ResponsesRequest, history: list[Message], tools: list[FunctionTool]) -> None:
+    def __init__(self, req: ResponsesRequest, history: list[Message], tools: list[FunctionTool],
+                 namespaces: dict[str, str] | None = None) -> None:
         self.req = req
+        self.namespaces = namespaces or {}
+        """Function name -> the namespace tool it came in."""
         self.history = history
         """The conversation without instructions (previous response's, then this input): what a response stores."""
         self.tools = tools
@@ -257,7 +281,7 @@ def parse(body: Any, memory: dict[str, Any]) -> tuple[TurnRequest, Call]:
         if loc is None and ":" in msg:
             loc = msg.split(":", 1)[0]
         raise ApiError(400, f"{loc}: {msg}" if loc and not msg.startswith(f"{loc}:") else msg, param=loc) from None
-    tools = _function_tools(req)
+    tools, namespaces = _function_tools(req)
     constraint, parse_tools = _tool_call_constraint(req.tool_choice, tools)
     history: list[Message] = []
     if req.previous_response_id is not None:
@@ -277,7 +301,7 @@ def parse(body: Any, memory: dict[str, Any]) -> tuple[TurnRequest, Call]:
         messages=messages, tools=template_tools or None, parse_tools=parse_tools, tool_call=constraint,
         temperature=req.temperature, top_p=req.top_p, seed=req.seed, max_tokens=req.max_output_tokens,
         logprobs=req.wants_logprobs, top_logprobs=req.top_logprobs or 0, stream=bool(req.stream), model=req.model)
-    return turn, Call(req, history, tools)
+    return turn, Call(req, history, tools, namespaces)
 
 
 # --- the response -------------------------------------------------------------------------------------------------
@@ -295,7 +319,7 @@ def _logprobs(result: TurnResult) -> list[dict[str, Any]] | None:
                               for a in e["top_logprobs"]]} for e in result.logprobs]
 
 
-def _output(result: TurnResult, msg_id: str) -> list[dict[str, Any]]:
+def _output(result: TurnResult, msg_id: str, namespaces: dict[str, str]) -> list[dict[str, Any]]:
     turn = result.turn
     out: list[dict[str, Any]] = []
     status = "incomplete" if turn.finish_reason == "length" else "completed"
@@ -306,9 +330,11 @@ def _output(result: TurnResult, msg_id: str) -> list[dict[str, Any]]:
             part["logprobs"] = lps
         out.append({"type": "message", "id": msg_id, "status": status, "role": "assistant", "content": [part]})
     for call in turn.tool_calls:
-        out.append({"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"],
-                    "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                    "status": "completed"})
+        item = {"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+        if call["function"]["name"] in namespaces:
+            item["namespace"] = namespaces[call["function"]["name"]]
+        out.append(item)
     return out
 
 
@@ -326,13 +352,19 @@ def _response(result: TurnResult, call: Call, output: list[dict[str, Any]], stat
         "temperature": result.temperature, "top_p": result.top_p, "top_logprobs": req.top_logprobs or 0,
         "presence_penalty": 0.0, "frequency_penalty": 0.0, "text": {"format": {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "max_tool_calls": None,
-        "tools": [t.model_dump(mode="json") for t in call.tools], "service_tier": "default",
+        "tools": [t.model_dump(mode="json") for t in call.tools if t.name not in call.namespaces]
+        + _namespace_tools(call), "service_tier": "default",
         "truncation": "disabled", "metadata": req.metadata or {}, "safety_identifier": req.safety_identifier,
         "prompt_cache_key": req.prompt_cache_key,
         "usage": {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                   "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c},
         "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids, **result.extra,
     }
+
+
+def _namespace_tools(call: Call) -> list[dict[str, Any]]:
+    """The request's namespace tools as it sent them (echoed in the response's ``tools``)."""
+    return [t for t in call.req.tools or () if isinstance(t, dict) and t.get("type") == "namespace"]
 
 
 def _remember(memory: dict[str, Any], call: Call, result: TurnResult, resp: dict[str, Any]) -> None:
@@ -348,7 +380,7 @@ def response(result: TurnResult, call: Call, memory: dict[str, Any]) -> dict[str
     """The ``response`` object (stream=false), stored for ``previous_response_id`` unless ``store`` is false."""
     _, msg_id = _ids(result)
     status = "incomplete" if result.turn.finish_reason == "length" else "completed"
-    resp = _response(result, call, _output(result, msg_id), status)
+    resp = _response(result, call, _output(result, msg_id, call.namespaces), status)
     _remember(memory, call, result, resp)
     return resp
 
