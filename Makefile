@@ -133,6 +133,7 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.trl_steps --staleness 1
 	$(BIN)/python -m bench.live_update --workload episodes
 	$(BIN)/python -m bench.agent_gateway
+	$(BIN)/python -m bench.protocol_cost
 	$(BIN)/python -m bench.tracing_cost
 	$(BIN)/python -m bench.viewer_render
 	$(BIN)/python -m bench.viewer_summary

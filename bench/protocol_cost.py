@@ -36,9 +36,13 @@ def _shared_http() -> Any:
     """One HTTP client per agent process for the Anthropic SDK (the OpenAI client the agents get already shares one)."""
     global _http
     if _http is None:
-        import httpx
+        import importlib
 
-        _http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+        from anthropic import DefaultAsyncHttpxClient  # the SDK's own client class (httpx or httpx2)
+
+        base = next(c for c in DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
+        module = importlib.import_module(base.__module__.split(".")[0])
+        _http = DefaultAsyncHttpxClient(limits=module.Limits(max_connections=None, max_keepalive_connections=1024))
     return _http
 
 
@@ -102,7 +106,7 @@ def run(sessions: int, turns: int, rounds: int, processes: int) -> list[dict[str
            "ROLLOUT_LOG_LEVEL": "WARNING",
            "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}
     rows: list[dict[str, Any]] = []
-    with DevStack(scheduler_port=None, extra_env=env, echo=lambda s: None) as stack:
+    with DevStack(scheduler_port=None, extra_env=env, echo=lambda s: print(s, flush=True)) as stack:
         assert stack.stack is not None
         engine = create_engine(sync_url(stack.infra.database_url))
         pids = all_pids(stack)
@@ -121,8 +125,11 @@ def run(sessions: int, turns: int, rounds: int, processes: int) -> list[dict[str
             resp.raise_for_status()
             batch_id = resp.json()["batch_id"]
             with engine.connect() as conn:
-                q = text("select count(*) from trajectories where batch_id = :b")
+                q = text("select (select count(*) from trajectories where batch_id = :b) + (select count(*) from "
+                         "episodes where batch_id = :b and status in ('failed', 'cancelled'))")
                 while conn.execute(q, {"b": batch_id}).scalar_one() < n:
+                    if time.perf_counter() - started > 600:
+                        raise TimeoutError(f"{protocol}: batch {batch_id} not done in 600 s")
                     time.sleep(0.05)
                     conn.commit()
             wall = time.perf_counter() - started
@@ -131,7 +138,11 @@ def run(sessions: int, turns: int, rounds: int, processes: int) -> list[dict[str
                                    {"b": batch_id}).scalar_one()
                 turns_done = conn.execute(text("select coalesce(sum(num_turns), 0) from trajectories "
                                                "where batch_id = :b"), {"b": batch_id}).scalar_one()
-            assert bad == 0, f"{bad} {protocol} episodes of {batch_id} did not complete"
+            if bad:
+                with engine.connect() as conn:
+                    why = conn.execute(text("select status, failure_reason from episodes where batch_id = :b and "
+                                            "status <> 'completed' limit 3"), {"b": batch_id}).all()
+                raise AssertionError(f"{bad} {protocol} episodes of {batch_id} did not complete: {why}")
             assert turns_done == n * k, f"{protocol}: {turns_done} turns recorded, expected {n * k}"
             return wall
 
@@ -161,8 +172,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [r for r in rows if r["protocol"] == protocol]
         out.append({
             "protocol": protocol,
-            "turns_per_s": statistics.median(r["turns_per_s"] for r in mine),
-            "cpu_ms_per_turn": statistics.median(r["cpu_ms_per_turn"] for r in mine),
+            "turns_per_s": round(statistics.median(r["turns_per_s"] for r in mine), 1),
+            "cpu_ms_per_turn": round(statistics.median(r["cpu_ms_per_turn"] for r in mine), 2),
             "cpu_per_turn_vs_chat": round(statistics.median(r["cpu_ms_per_turn"] / chat_cpu[r["round"]]
                                                             for r in mine), 3),
             "turns_per_s_vs_chat": round(statistics.median(r["turns_per_s"] / chat_tps[r["round"]] for r in mine), 3),
