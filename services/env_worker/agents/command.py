@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_ledger.services.env_worker.agents.run import (
+from rollout_ledger.services.env_worker.agents.outcome import (
     REASON_CHARS,
     AgentResult,
     AgentRun,
