@@ -403,6 +403,28 @@ async def test_an_inference_failure_is_a_503_and_ends_the_session(served: Served
     assert served.session.ending is not None and served.session.ending.failure_class is not None
 
 
+async def test_refusals_tell_the_sdks_not_to_retry(served: Served) -> None:
+    """A retried call would only meet the same refusal (or be another turn): errors say ``x-should-retry: false``,
+    which the SDKs obey even with retries on."""
+    sent: list[str] = []
+
+    async def count(request: httpx.Request) -> None:
+        sent.append(request.url.path)
+
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=session_app(served.registry)),
+                             event_hooks={"request": [count]})
+    client = openai.AsyncOpenAI(base_url=served.registry.url("e"), api_key=served.client.api_key,
+                                http_client=cast(Any, http), max_retries=3)
+    served.episode.fail = True
+    with pytest.raises(openai.InternalServerError) as err:
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+    assert err.value.response.headers["x-should-retry"] == "false" and len(sent) == 1
+    with pytest.raises(openai.APIStatusError):  # the session is over: refused, once
+        await client.responses.create(model="p", input="x")
+    assert len(sent) == 2
+    await client.close()
+
+
 # --- agent functions ------------------------------------------------------------------------------------
 def test_agents_are_parsed_and_imported() -> None:
     from rollout_ledger.services.env_worker.agents.run import AgentLoadError, load_agents, parse_agents

@@ -109,7 +109,10 @@ def session_app(registry: SessionRegistry) -> FastAPI:
         return registry.get(episode_id, request.headers.get("authorization"), request.headers.get("x-api-key"))
 
     def error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(_dialect_of(request.url.path).error_body(exc), status_code=exc.status)
+        # x-should-retry: false, which the OpenAI and Anthropic SDKs obey: their default retries (of a 409, a 5xx)
+        # would only meet the same refusal, or count as another turn of the episode
+        return JSONResponse(_dialect_of(request.url.path).error_body(exc), status_code=exc.status,
+                            headers={"x-should-retry": "false"})
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
