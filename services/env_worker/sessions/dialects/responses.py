@@ -43,6 +43,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollout_ledger.services.env_worker.sessions.dialects.chat import error_body as error_body
+from rollout_ledger.services.env_worker.sessions.dialects.chat import text_content
 from rollout_ledger.services.env_worker.sessions.dialects.sse import sse
 from rollout_ledger.services.env_worker.sessions.turns import ApiError, Message, TurnRequest, TurnResult
 
@@ -189,26 +190,6 @@ def _tool_call_constraint(choice: Any, tools: list[FunctionTool]) -> tuple[dict[
     return {"names": forced, "parameters": {n: schemas[n] for n in forced if n in schemas}}, True
 
 
-def _text(content: Any, where: str) -> str:
-    """A message item's content as text: a string or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for i, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text") \
-                    and isinstance(part.get("text"), str):
-                out.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ApiError(400, f"{where}[{i}]: only text content parts are supported, got {kind!r}",
-                               param=f"{where}[{i}]")
-        return "".join(out)
-    raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=where)
-
-
 def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> list[Message]:
     """Input items as canonical messages: ``function_call`` items join the assistant message right before them
     (one turn's text and calls), ``function_call_output`` items become tool messages."""
@@ -226,7 +207,7 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
                 raise ApiError(400, f"{at}.role: must be user, system, developer or assistant, got {role!r}",
                                param=f"{at}.role")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content"), f"{at}.content")})
+                        "content": text_content(item.get("content"), f"{at}.content")})
         elif kind == "function_call":
             name, args, cid = item.get("name"), item.get("arguments", ""), item.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(cid, str):
@@ -243,7 +224,8 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
             if not isinstance(cid, str):
                 raise ApiError(400, f"{at}.call_id: a function_call_output item needs the call_id it answers",
                                param=f"{at}.call_id")
-            out.append({"role": "tool", "content": _text(item.get("output"), f"{at}.output"), "tool_call_id": cid})
+            output = text_content(item.get("output"), f"{at}.output")
+            out.append({"role": "tool", "content": output, "tool_call_id": cid})
         else:
             raise ApiError(400, f"{at}.type: items of type {kind!r} are not supported here (messages, function_call "
                            "and function_call_output are)", param=f"{at}.type")
