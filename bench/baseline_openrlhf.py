@@ -24,6 +24,15 @@ from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
 from rollout_ledger.shared.events import SamplingParams
 from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 
+CLIENT_KEEPALIVE_S = 5.0
+"""How long the client keeps an idle pooled connection (httpx's default)."""
+SERVER_KEEPALIVE_S = 30
+"""How long the server keeps an idle connection open: well past ``CLIENT_KEEPALIVE_S``, so the client always drops
+an idle connection before the server closes it. With both at 5 s (uvicorn's and httpx's defaults) the client could
+send a request on a connection in the loop iteration where the server's keep-alive timer closed it, and the run
+died with ``httpx.ReadError`` (or ``RemoteProtocolError``): server and client share one event loop here, and the
+longer its iterations (long histories re-rendered at 16+ turns, a busy machine) the wider that window."""
+
 
 def build_app(model_dir: str) -> tuple[FastAPI, dict[str, list[dict[str, Any]]]]:
     tok = load_chat_tokenizer(model_dir)
@@ -64,7 +73,8 @@ async def _episode(client: httpx.AsyncClient, session: str, turns: int, max_toke
 
 async def run(model_dir: str, episodes: int, turns: int, max_tokens: int = 16, concurrency: int = 64) -> dict[str, Any]:
     app, traces = build_app(model_dir)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+                            timeout_keep_alive=SERVER_KEEPALIVE_S)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes no event for 'started'
@@ -76,7 +86,8 @@ async def run(model_dir: str, episodes: int, turns: int, max_tokens: int = 16, c
         async with sem:
             await _episode(client, f"s{i}", turns, max_tokens)
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
+                          keepalive_expiry=CLIENT_KEEPALIVE_S)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=60) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i, client) for i in range(episodes)))

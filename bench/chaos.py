@@ -13,12 +13,22 @@ and a Postgres stop for ``--pg-down-s``. Then it waits for every episode to be t
 - ``turns_reused``: recorded turns a later attempt carried over (resume); ``recorded_turns_generated_again``:
   recorded turns (with their step) that a later attempt generated again anyway; ``resumed``: attempts after the
   first by how they resumed;
-- ``quiesce_s``: from the end of the last fault to the last episode terminal.
+- ``quiesce_s``: from the end of the last fault to the last episode terminal;
+- ``longest_stall_s``: the longest time, sampled every 100 ms, in which neither a turn was recorded nor an episode
+  became terminal while submitted episodes were outstanding; ``stalls``: per fault, the longest such stall it
+  caused (the fault began during it; else the stall began in the fault's time, before the next fault).
+
+With ``--nats-cluster 3`` NATS is a three-node JetStream cluster (streams and buckets at 3 replicas) and the
+faults are the cluster's instead: SIGKILL of the node leading the work stream (``RL_WORK``), restarted after
+``--nats-down-s``; SIGKILL of another node (the events stream's leader when that is another), restarted likewise;
+then a rolling restart of all three (SIGTERM each node, start it again, wait until every stream is current,
+next). After each fault the run waits until every stream has a leader and current replicas.
 
 Exit status 1 when anything is lost or duplicated. Usage:
 
     python -m bench.chaos                    # make chaos: 2,000 episodes, each kill twice, Postgres down 30 s
     python -m bench.chaos --episodes 150 --kills 1 --pg-down-s 3   # the CI size (tests/integration/test_chaos.py)
+    python -m bench.chaos --nats-cluster 3 --episodes 400   # make chaos-cluster (CI size: test_chaos_cluster.py)
 """
 
 from __future__ import annotations
@@ -28,18 +38,28 @@ import functools
 import json
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from rollout_ledger.cli.stack.devstack import DevStack
+from rollout_ledger.cli.stack.servers import PrivateNatsCluster
 from rollout_ledger.migrations.runner import sync_url
 from rollout_ledger.shared.lifecycle import TERMINAL
+from rollout_ledger.shared.subjects import BUCKETS, EVENTS_STREAM, STREAMS, WORK_STREAM
+
+SAMPLE_S = 0.1
+"""How often the progress sampler counts recorded turns and terminal episodes."""
+ALL_STREAMS = (*(spec.name for spec in STREAMS), *(f"KV_{bucket}" for bucket in BUCKETS))
+"""Every stream of the contract, the KV buckets' included: what must be current again after a cluster fault."""
 
 KILL_ORDER = ("env-worker", "inference-worker", "recorder", "scheduler")
 _IN_FLIGHT = {"env-worker": "rollout_work_items_held", "inference-worker": "rollout_inference_inflight"}
@@ -81,6 +101,8 @@ class ChaosConfig:
     log_level: str = "WARNING"
     keep_logs: str = ""
     """A folder the services' logs are copied to before the stack's files are removed (empty: not kept)."""
+    nats_cluster: int = 1
+    """1: one NATS server (the faults above); 3: a JetStream cluster and its faults (node kills, rolling restart)."""
     echo: Callable[[str], None] = field(default=lambda s: print(s, file=sys.stderr, flush=True))
 
 
@@ -111,10 +133,106 @@ class ChaosResult:
     fault_s: float
     quiesce_s: float
     wall_s: float
+    longest_stall_s: float = 0.0
+    """The longest time without a turn recorded or an episode terminal while episodes were outstanding."""
+    stalls: dict[str, float] = field(default_factory=dict)
+    """Fault -> the longest stall it caused (it began during the stall, or the stall began in its time)."""
 
     @property
     def ok(self) -> bool:
         return self.lost == 0 and self.duplicated == 0
+
+
+class ProgressSampler:
+    """Counts recorded turns and terminal episodes every ``SAMPLE_S`` (a thread of its own) while the run goes on;
+    ``stalls`` are the intervals in which neither grew while submitted episodes were outstanding."""
+
+    def __init__(self, engine: Engine, submitted: Callable[[], int]) -> None:
+        self.engine = engine
+        self.submitted = submitted
+        self.samples: list[tuple[float, int, int]] = []
+        """(monotonic time, turns + terminal episodes, episodes outstanding)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-progress", daemon=True)
+
+    def start(self) -> ProgressSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        statuses = ",".join(f"'{s}'" for s in TERMINAL)
+        query = text("select (select count(*) from turns), "
+                     f"(select count(*) from episodes where status in ({statuses}))")
+        while not self._stop.is_set():
+            try:
+                with self.engine.connect() as conn:
+                    while not self._stop.is_set():
+                        submitted = self.submitted()
+                        row = conn.execute(query).one()
+                        conn.commit()  # a new snapshot for the next sample
+                        self.samples.append((time.monotonic(), int(row[0]) + int(row[1]), submitted - int(row[1])))
+                        self._stop.wait(SAMPLE_S)
+            except DBAPIError:  # Postgres stopped or failed over (a fault of the run): sample again once it is back
+                self._stop.wait(SAMPLE_S)
+
+    def wait_progress(self, after: float, timeout_s: float) -> bool:
+        """Wait until a sample after ``after`` (monotonic) shows progress over the one before it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            samples = self.samples[-int(timeout_s / SAMPLE_S) - 2:]
+            if any(t > after and p != samples[i - 1][1] for i, (t, p, _) in enumerate(samples) if i > 0):
+                return True
+            time.sleep(SAMPLE_S)
+        return False
+
+    def dump(self, path: Path, t0: float) -> None:
+        """The samples as CSV (seconds since ``t0``, progress, outstanding), to look a stall up in the logs."""
+        with path.open("w") as f:
+            f.write("t_s,progress,outstanding\n")
+            for t, progress, outstanding in self.samples:
+                f.write(f"{t - t0:.2f},{progress},{outstanding}\n")
+
+    def stalls(self) -> list[tuple[float, float]]:
+        """(start, end) of every interval without progress while episodes were outstanding, longest first."""
+        return stalls_of(self.samples)
+
+
+def stalls_of(samples: list[tuple[float, int, int]]) -> list[tuple[float, float]]:
+    """(start, end) of every interval without progress while episodes were outstanding, longest first: from the
+    sample of the last progress (or the first with work outstanding) to the next sample with progress, or to the last
+    sample when none came. ``samples``: (time, progress count, episodes outstanding)."""
+    out: list[tuple[float, float]] = []
+    if not samples:
+        return out
+    since, last = samples[0][0], samples[0][1]
+    for t, progress, outstanding in samples[1:]:
+        if outstanding <= 0:
+            since, last = t, progress  # nothing to do: no stall
+        elif progress != last:
+            out.append((since, t))
+            since, last = t, progress
+    t_end, _, outstanding = samples[-1]
+    if outstanding > 0 and t_end > since:
+        out.append((since, t_end))
+    return sorted(out, key=lambda iv: iv[0] - iv[1])
+
+
+def stalls_by_fault(stalls: list[tuple[float, float]], faults: list[str], starts: list[float]) -> dict[str, float]:
+    """Fault -> the longest stall it caused: the first fault that began during a stall owns it (the stall began at
+    the last progress before the fault); a stall no fault began during belongs to the fault in whose time it began
+    (a stall before the first fault to none)."""
+    per_fault = {fault: 0.0 for fault in faults}
+    for a, b in stalls:
+        during = [i for i, t in enumerate(starts) if a <= t < b]
+        before = [i for i, t in enumerate(starts) if t <= a]
+        owner = during[0] if during else before[-1] if before else None
+        if owner is not None and owner < len(faults):
+            per_fault[faults[owner]] = round(max(per_fault[faults[owner]], b - a), 2)
+    return per_fault
 
 
 class Chaos:
@@ -129,9 +247,13 @@ class Chaos:
                "ROLLOUT_INFERENCE_MAX_TRIES": "8", "ROLLOUT_INFERENCE_BACKOFF_MAX_S": "2",
                "ROLLOUT_INFERENCE_REQUEST_TIMEOUT_S": "30"}
         self.dev = DevStack(scheduler_port=None, env_workers=cfg.env_workers,
-                            inference_workers=cfg.inference_workers, engine="fake", echo=cfg.echo, extra_env=env)
+                            inference_workers=cfg.inference_workers, engine="fake", echo=cfg.echo, extra_env=env,
+                            nats_cluster=cfg.nats_cluster)
         self.batch_ids: list[str] = []
+        self.submitted = 0
         self.faults: list[str] = []
+        self.fault_starts: list[float] = []
+        """When each fault of ``faults`` began (monotonic)."""
         self._kill_round: dict[str, int] = {}
         self.cut_by_kills = 0
 
@@ -147,6 +269,7 @@ class Chaos:
                                   headers={"Authorization": f"Bearer {self.dev.api_token}"})
                 if resp.status_code == 201:
                     self.batch_ids.append(str(resp.json()["batch_id"]))
+                    self.submitted += n
                     return
                 last = f"{resp.status_code} {resp.text[:200]}"
             except httpx.HTTPError as exc:
@@ -158,6 +281,7 @@ class Chaos:
     # --- faults ----------------------------------------------------------------------------------
     def kill(self, service: str) -> None:
         """SIGKILL one live process of ``service`` (a different one each round) and start it again."""
+        self.fault_starts.append(time.monotonic())
         stack = self.dev.stack
         assert stack is not None
         live = [p for p in stack.procs if p.service == service and p.alive]
@@ -184,6 +308,9 @@ class Chaos:
         nats = self.dev.infra.nats
         if nats is None:
             raise RuntimeError("the chaos run needs its private NATS (unset NATS_URL)")
+        if isinstance(nats, PrivateNatsCluster):
+            raise RuntimeError("nats_restart is the single server's fault: a cluster's are node_kill, rolling_restart")
+        self.fault_starts.append(time.monotonic())
         nats.kill()
         time.sleep(self.cfg.nats_down_s)
         nats.start()
@@ -193,12 +320,55 @@ class Chaos:
         pg = self.dev.infra.postgres
         if pg is None:
             raise RuntimeError("the chaos run needs its private Postgres (unset DATABASE_URL)")
+        self.fault_starts.append(time.monotonic())
         pg.stop()
         time.sleep(self.cfg.pg_down_s)
         pg.start()
         self.faults.append(f"Postgres stopped {self.cfg.pg_down_s:g} s")
 
+    def cluster(self) -> PrivateNatsCluster:
+        nats = self.dev.infra.nats
+        if not isinstance(nats, PrivateNatsCluster):
+            raise RuntimeError("a cluster fault needs the private NATS cluster (nats_cluster=3, NATS_URL unset)")
+        return nats
+
+    def node_kill(self, stream: str) -> None:
+        """SIGKILL the node leading ``stream`` (another node than the last one killed when that one leads it), start
+        it again after ``nats_down_s``, then wait until every stream is current."""
+        cluster = self.cluster()
+        deadline = time.monotonic() + 60.0
+        while not (leader := cluster.leader_of(stream)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not leader:
+            raise RuntimeError(f"no node leads {stream} within 60 s")
+        victim, why = leader, f"leading {stream}"
+        if self.faults and self.faults[-1].startswith(f"NATS node {leader} "):
+            victim = next(cluster.node_name(i) for i in range(len(cluster.nodes)) if cluster.node_name(i) != leader)
+            why = f"not the last one killed ({leader} leads {stream})"
+        self.fault_starts.append(time.monotonic())
+        cluster.kill(victim)
+        time.sleep(self.cfg.nats_down_s)
+        cluster.restart(victim)
+        cluster.wait_current(ALL_STREAMS, timeout_s=120)
+        self.faults.append(f"NATS node {victim} ({why}) kill -9, restarted after {self.cfg.nats_down_s:g} s")
+
+    def rolling_restart(self) -> None:
+        """SIGTERM each node in turn, start it again, wait until every stream is current, next (one fault each)."""
+        cluster = self.cluster()
+        for i in range(len(cluster.nodes)):
+            name = cluster.node_name(i)
+            self.fault_starts.append(time.monotonic())
+            cluster.terminate(i)
+            cluster.restart(i)
+            cluster.wait_current(ALL_STREAMS, timeout_s=120)
+            self.faults.append(f"NATS rolling restart: node {name} SIGTERM, started again, streams current")
+            if i + 1 < len(cluster.nodes):
+                self.cfg.echo(f"  {self.faults[-1]}")
+
     def plan(self) -> list[Callable[[], None]]:
+        if self.cfg.nats_cluster > 1:
+            return [functools.partial(self.node_kill, WORK_STREAM), functools.partial(self.node_kill, EVENTS_STREAM),
+                    self.rolling_restart]
         kills: list[Callable[[], None]] = [functools.partial(self.kill, s) for s in KILL_ORDER]
         steps = list(kills)
         steps += [self.nats_restart, self.postgres_stop]
@@ -257,6 +427,7 @@ class Chaos:
         t0 = time.monotonic()
         with self.dev:
             engine = create_engine(sync_url(self.dev.infra.database_url))
+            sampler = ProgressSampler(engine, lambda: self.submitted).start()
             try:
                 steps = self.plan()
                 waves = len(steps) + 1
@@ -265,6 +436,9 @@ class Chaos:
                 for size, step in zip(sizes, steps, strict=False):
                     self.submit(size)
                     time.sleep(cfg.gap_s)
+                    if self.fault_starts and cfg.nats_cluster > 1:
+                        # one fault's stall apart from the next: go on once the work moved again since the last
+                        sampler.wait_progress(after=time.monotonic() - cfg.gap_s, timeout_s=120.0)
                     cfg.echo(f"fault {len(self.faults) + 1}/{len(steps)} ...")
                     step()
                     cfg.echo(f"  {self.faults[-1]}")
@@ -274,13 +448,22 @@ class Chaos:
                 while (done := self.terminal(engine)) < cfg.episodes and time.monotonic() < deadline:
                     time.sleep(0.5)
                 quiesce_s = time.monotonic() - faults_end
+                sampler.stop()
                 time.sleep(2.0)  # the recorder's last rows of the last terminal events
                 fig = self.figures(engine)
             finally:
+                sampler.stop()
                 engine.dispose()
                 if cfg.keep_logs:
                     shutil.copytree(self.dev.log_dir, cfg.keep_logs, dirs_exist_ok=True)
+                    sampler.dump(Path(cfg.keep_logs) / "progress.csv", t0)
+                    starts = [round(t - t0, 2) for t in self.fault_starts]
+                    (Path(cfg.keep_logs) / "faults.json").write_text(json.dumps(
+                        {"wall_clock_t0": time.time() - (time.monotonic() - t0), "faults": self.faults,
+                         "starts_s": starts}))
         turns = max(fig["turns"], 1)
+        stalls = sampler.stalls()
+        per_fault = stalls_by_fault(stalls, self.faults, self.fault_starts)
         return ChaosResult(
             episodes=cfg.episodes, terminal=done, statuses=fig["statuses"], lost=cfg.episodes - done,
             duplicated=fig["duplicated"], turns=fig["turns"], regenerated_turns=fig["regenerated_turns"],
@@ -292,13 +475,14 @@ class Chaos:
             resumed=fig["resumed"],
             faults=self.faults,
             fault_s=round(faults_end - fault_t0, 1), quiesce_s=round(quiesce_s, 1),
-            wall_s=round(time.monotonic() - t0, 1))
+            wall_s=round(time.monotonic() - t0, 1),
+            longest_stall_s=round(stalls[0][1] - stalls[0][0], 2) if stalls else 0.0, stalls=per_fault)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     defaults = ChaosConfig()
-    for name in ("episodes", "turns", "kills", "concurrency", "env_workers", "inference_workers"):
+    for name in ("episodes", "turns", "kills", "concurrency", "env_workers", "inference_workers", "nats_cluster"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ("nats_down_s", "pg_down_s", "gap_s", "fake_delay_s", "quiesce_timeout_s"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
@@ -306,8 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=defaults.log_level)
     args = parser.parse_args(argv)
     cfg = ChaosConfig(**vars(args))
+    if cfg.nats_cluster != 1 and cfg.nats_cluster < 3:
+        parser.error(f"--nats-cluster is 1 or 3 or more, not {cfg.nats_cluster}")
     result = Chaos(cfg).run()
-    print(json.dumps({"run": "chaos", **asdict(result)}), flush=True)
+    print(json.dumps({"run": "chaos-cluster" if cfg.nats_cluster > 1 else "chaos", **asdict(result)}), flush=True)
+    cfg.echo(f"longest stall {result.longest_stall_s:g} s; per fault: "
+             + "; ".join(f"{fault}: {stall:g} s" for fault, stall in result.stalls.items()))
     return 0 if result.ok else 1
 
 

@@ -7,6 +7,7 @@ adds (with a zero-cost engine all of a turn's cycle time is added latency), reco
 
     python bench/pipeline.py                 # the figures in docs/benchmarks.md
     python bench/pipeline.py --quick         # a smaller run
+    python -m bench.pipeline --baseline-only --turns 16,30   # the baseline alone at 16 and 30 turns per episode
 """
 
 from __future__ import annotations
@@ -158,25 +159,20 @@ def main() -> None:
     parser.add_argument("--soak-turns", type=int, default=100_000)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--soak-only", action="store_true")
+    parser.add_argument("--baseline-only", action="store_true", help="no stack: the baseline alone")
+    parser.add_argument("--turns", type=positive_ints, default=None,
+                        help="turns per episode of each run, comma-separated (default 1,4,16,64; --quick 1,4,16)")
     args = parser.parse_args()
     total = 2000 if args.quick else 6000
-    shapes = [1, 4, 16] if args.quick else [1, 4, 16, 64]
+    shapes = args.turns or ([1, 4, 16] if args.quick else [1, 4, 16, 64])
     print(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                   "platform": platform.platform()}}))
     env = {"ROLLOUT_CONCURRENCY": str(args.concurrency), "ROLLOUT_LOG_LEVEL": "WARNING",
            "ROLLOUT_MAX_INFLIGHT": "2048"}
-    with DevStack(scheduler_port=None, extra_env=env, echo=lambda s: None) as stack:
-        assert stack.stack is not None
-        pids = {p.name: p.proc.pid for p in stack.stack.procs if p.proc is not None}
-        run_pipeline(stack, 200, 2)  # warm-up
-        for t in [] if args.soak_only else shapes:
-            print(json.dumps({"run": "pipeline", **run_pipeline(stack, max(1, total // t), t)}), flush=True)
-        soak_turns = 20_000 if args.quick else args.soak_turns
-        sampler = RssSampler(pids).start()
-        soak = run_pipeline(stack, soak_turns // 50, 50)
-        sampler.stop()
-        print(json.dumps({"run": "soak", **soak, "in_flight": args.concurrency, "rss_peak_mb": sampler.peak(),
-                          "rss_growth_pct": sampler.growth(), "rss_deciles_mb": sampler.deciles()}), flush=True)
+    if not args.baseline_only:
+        with DevStack(scheduler_port=None, extra_env=env, echo=lambda s: None) as stack:
+            _run_stack(stack, args.soak_only, 20_000 if args.quick else args.soak_turns, args.concurrency, total,
+                       shapes)
     if not args.skip_baseline:
         from bench.baseline_openrlhf import run as baseline
         from rollout_ledger.shared.kit.settings import default_model_dir
@@ -184,6 +180,32 @@ def main() -> None:
         for t in shapes:
             res = asyncio.run(baseline(str(default_model_dir()), max(1, total // t), t))
             print(json.dumps({"run": "baseline", **res}), flush=True)
+
+
+def positive_ints(value: str) -> list[int]:
+    """An argparse type: a comma-separated list of integers, each >= 1 (``--turns 16,30``)."""
+    try:
+        out = [int(v) for v in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {value!r}") from None
+    if min(out) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {value!r}")
+    return out
+
+
+def _run_stack(stack: DevStack, soak_only: bool, soak_turns: int, in_flight: int, total: int,
+               shapes: list[int]) -> None:
+    """The pipeline runs of each shape, then the soak with its RSS samples."""
+    assert stack.stack is not None
+    pids = {p.name: p.proc.pid for p in stack.stack.procs if p.proc is not None}
+    run_pipeline(stack, 200, 2)  # warm-up
+    for t in [] if soak_only else shapes:
+        print(json.dumps({"run": "pipeline", **run_pipeline(stack, max(1, total // t), t)}), flush=True)
+    sampler = RssSampler(pids).start()
+    soak = run_pipeline(stack, soak_turns // 50, 50)
+    sampler.stop()
+    print(json.dumps({"run": "soak", **soak, "in_flight": in_flight, "rss_peak_mb": sampler.peak(),
+                      "rss_growth_pct": sampler.growth(), "rss_deciles_mb": sampler.deciles()}), flush=True)
 
 
 if __name__ == "__main__":

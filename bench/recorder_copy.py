@@ -85,7 +85,7 @@ _F8_FIELD = struct.Struct(">id")
 _TS_FIELD = struct.Struct(">iq")
 _BOOL2 = struct.Struct(">i?i?")
 _BOOL = struct.Struct(">i?")
-_NCOLS_TURN, _NCOLS_STEP, _NCOLS_TRAJECTORY = struct.pack(">h", 15), struct.pack(">h", 16), struct.pack(">h", 24)
+_NCOLS_TURN, _NCOLS_STEP, _NCOLS_TRAJECTORY = struct.pack(">h", 15), struct.pack(">h", 16), struct.pack(">h", 25)
 
 
 def _baseline_array(values: np.ndarray, oid: int, pair: np.dtype[Any], size: int) -> bytes:
@@ -173,7 +173,8 @@ def _baseline_trajectory_row(w: TrajectoryWrite) -> bytes:
     lp = np.asarray(traj.logprobs)
     sampled = np.concatenate([lp[a:b] for a, b in traj.action_ranges]) if traj.action_ranges else lp[:0]
     return b"".join((
-        _NCOLS_TRAJECTORY, _text(w.ep.id), _text(w.ep.batch_id), _text(w.ep.group_id), _text(w.ep.env),
+        _NCOLS_TRAJECTORY, _text(w.ep.id), _TS_FIELD.pack(8, _micros(w.ep.created_at)), _text(w.ep.batch_id),
+        _text(w.ep.group_id), _text(w.ep.env),
         _I4_FIELD.pack(4, w.attempt), _text(w.status), _NULL if w.failure_class is None else _text(w.failure_class),
         _NULL if w.reward is None else _F8_FIELD.pack(8, w.reward),
         _field(_baseline_int4_array(traj.token_ids)), _field(_baseline_int2_array(traj.loss_mask)),
@@ -235,7 +236,7 @@ def trajectories(n: int, prompt: int = 200, num_turns: int = 4, sampled: int = 2
             prompt_len=prompt, num_tokens=length, num_sampled_tokens=num_turns * sampled, num_turns=num_turns,
             kept_turn_ids=(), kept_step_ids=(), distinct_weight_versions=[7], step_rewards=[0.0] * num_turns,
             segments=[[0, length]])
-        ep = EpisodeRow(f"bench.{i}.0", "bench", f"bench.{i}", "search", EpisodeStatus.COMPLETED, 1, None)
+        ep = EpisodeRow(f"bench.{i}.0", "bench", f"bench.{i}", "search", EpisodeStatus.COMPLETED, 1, None, TIME)
         out.append(TrajectoryWrite(ep=ep, attempt=1, status="completed", failure_class=None, reward=1.0, traj=traj,
                                    token_check="ok", drifts=[]))
     return out

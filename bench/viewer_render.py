@@ -72,11 +72,12 @@ def insert_long_trajectory(database_url: str, tok: ChatTokenizer, num_tokens: in
                               "'completed', 1.0, :n)"), {"e": episode, "b": batch_id, "g": f"{batch_id}.0",
                                                          "n": len(ranges)})
             conn.execute(text(
-                "insert into trajectories (episode_id, batch_id, group_id, env, attempt, status, reward, token_ids, "
-                "loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, num_sampled_tokens, "
-                "num_turns, segments, num_segments) values (:e, :b, :g, 'fixed-turns', 0, 'completed', 1.0, :ids, "
-                ":mask, :lps, :versions, :ranges, :plen, :n, :ns, :nt, :segs, 1)"),
-                {"e": episode, "b": batch_id, "g": f"{batch_id}.0", "ids": ids, "mask": mask, "lps": lps,
+                "insert into trajectories (episode_id, episode_created_at, batch_id, group_id, env, attempt, status, "
+                "reward, token_ids, loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, "
+                "num_sampled_tokens, num_turns, segments, num_segments) values (:e, (select created_at from episodes "
+                "where id = :ek), :b, :g, 'fixed-turns', 0, 'completed', 1.0, :ids, :mask, :lps, :versions, :ranges, "
+                ":plen, :n, :ns, :nt, :segs, 1)"),
+                {"e": episode, "ek": episode, "b": batch_id, "g": f"{batch_id}.0", "ids": ids, "mask": mask, "lps": lps,
                  "versions": versions, "ranges": ranges, "plen": len(prompt), "n": len(ids), "ns": sum(mask),
                  "nt": len(ranges), "segs": [[0, len(ids)]]})
     finally:

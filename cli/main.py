@@ -1,5 +1,5 @@
-"""The `rollout` command line: run services, the private stack, submit batches, export, prune the feed, migrate,
-fetch the model."""
+"""The `rollout` command line: run services, the private stack, submit batches, export, prune the feed, archive old
+periods, migrate, fetch the model."""
 
 from __future__ import annotations
 
@@ -39,13 +39,22 @@ def serve(service: str = typer.Argument(..., help=f"one of: {', '.join(catalog.S
 def db_upgrade(
     database_url: str = typer.Option(None, envvar="DATABASE_URL", help="Postgres DSN"),
     revision: str = typer.Option("head", help="target revision"),
+    stop_at_expand: bool = typer.Option(
+        False, "--stop-at-expand",
+        help="a database below this release's expand revision stops there (pods of the previous release may still "
+             "write; run again once they are gone); any other goes to head (the migrations Job)"),
 ) -> None:
     """Apply the Alembic migrations to DATABASE_URL."""
-    from rollout_ledger.migrations.runner import upgrade
+    from rollout_ledger.migrations.runner import upgrade, upgrade_stopping_at_expand
 
     if not database_url:
         raise typer.BadParameter("set DATABASE_URL or pass --database-url")
-    upgrade(database_url, revision)
+    if stop_at_expand:
+        if revision != "head":
+            raise typer.BadParameter("--stop-at-expand chooses the revision: leave --revision out")
+        revision = upgrade_stopping_at_expand(database_url)
+    else:
+        upgrade(database_url, revision)
     typer.echo(f"database at revision {revision}")
 
 
@@ -139,6 +148,8 @@ def up(
     engine: str = typer.Option("auto", envvar="ROLLOUT_ENGINE",
                                help="inference engine: vllm, fake, or auto (vllm when installed with the model's "
                                     "weights cached, else fake)"),
+    nats_cluster: int = typer.Option(1, help="private NATS nodes: 1, or 3 (or more) for a JetStream cluster on "
+                                             "loopback with streams and buckets at 3 replicas"),
 ) -> None:
     """Start NATS and Postgres (private ones unless NATS_URL/DATABASE_URL are set) and every service; Ctrl-C stops.
 
@@ -149,8 +160,11 @@ def up(
 
     engine = resolve_engine(engine)
     typer.echo(f"engine: {engine}: {ENGINE_HINTS.get(engine, engine)}")
+    if nats_cluster != 1 and nats_cluster < 3:
+        raise typer.BadParameter(f"1 (one server) or 3 or more (a cluster), not {nats_cluster}",
+                                 param_hint="--nats-cluster")
     with DevStack(scheduler_port=scheduler_port, env_workers=env_workers, inference_workers=inference_workers,
-                  engine=engine, echo=typer.echo) as stack:
+                  engine=engine, echo=typer.echo, nats_cluster=nats_cluster) as stack:
         typer.echo(stack.describe())
         stack.wait_forever()
         typer.echo("stopping: draining every service ...")
@@ -459,6 +473,47 @@ def feed_prune(
     held = (f"slowest consumer {res.holder} at {res.horizon} ({res.consumers} consumers)" if res.holder
             else "no consumer registered")
     typer.echo(f"{verb} {res.dead} dead + {res.aged} aged feed entries; {res.remaining} left; {held}")
+
+
+@app.command()
+def archive(
+    older_than: str = typer.Option(..., help="archive whole periods (months) that ended more than this ago (90d)"),
+    to: str = typer.Option(..., help="where: file:///abs/path or s3://bucket/prefix (one folder per period)"),
+    s3_endpoint: str = typer.Option(None, envvar="ROLLOUT_ARCHIVE_S3_ENDPOINT",
+                                    help="an S3-compatible endpoint, http(s)://host:port (credentials: AWS_*)"),
+    months_ahead: int = typer.Option(3, min=0, max=120, help="monthly partitions to make sure exist ahead"),
+    dry_run: bool = typer.Option(False, help="list the periods and what holds them, write and drop nothing"),
+    database_url: str = typer.Option(None, envvar="DATABASE_URL",
+                                     help="the owner's Postgres DSN (it detaches and drops partitions)"),
+) -> None:
+    """Move old periods of turns, steps, the feed and trajectories to Parquet with a manifest, verify it, then drop
+    them (only periods every feed consumer has passed; docs/export.md, "Archive")."""
+    from rollout_ledger.client.archived import ArchiveError
+    from rollout_ledger.services.exporter.archive import archive as run_archive
+    from rollout_ledger.services.exporter.retention import RetentionError, parse_age
+    from rollout_ledger.services.exporter.settings import ExporterSettings
+    from rollout_ledger.shared.errors import StoreError
+    from rollout_ledger.shared.kit.logging import configure_logging
+
+    settings = ExporterSettings()
+    configure_logging(settings.log_level, settings.log_format, service="exporter")
+    if not database_url:
+        raise typer.BadParameter("set DATABASE_URL or pass --database-url")
+    try:
+        age = parse_age(older_than)
+    except RetentionError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        results = run_archive(database_url, age, to, endpoint=s3_endpoint, dry_run=dry_run, months_ahead=months_ahead)
+    except (ArchiveError, StoreError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    for res in results:
+        state = ("archived" if res.archived else f"kept: {res.skipped}" if res.skipped
+                 else "would be archived" if dry_run else "kept")
+        typer.echo(f"{res.label}\t{state}\t{res.url}\t" + ", ".join(f"{t} {n}" for t, n in res.rows.items()))
+    if not results:
+        typer.echo("no period is old enough")
 
 
 @feed_app.command("consumers")

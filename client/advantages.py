@@ -1,4 +1,4 @@
-"""Group advantages (GRPO, RLOO, none): the SQL the exporter computes them with, and the same arithmetic in numpy.
+"""Group advantages (GRPO, RLOO, none): the SQL the exporter computes them with.
 
 Every estimator works on the rewards of one group (one task's samples) as the selection left it:
 
@@ -13,10 +13,7 @@ A NULL reward gives a NULL advantage and does not count in its group's statistic
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 
 class AdvantageKind(enum.StrEnum):
@@ -58,25 +55,3 @@ class AdvantageSpec:
         if self.kind is AdvantageKind.GRPO:
             return f"grpo(eps={self.epsilon:g}, std={'on' if self.normalize_std else 'off'})"
         return str(self.kind)
-
-
-def group_advantages(rewards: Sequence[float | None], spec: AdvantageSpec) -> list[float | None]:
-    """The advantages of one group's rewards (the reference the SQL is tested against)."""
-    present = np.array([r for r in rewards if r is not None], dtype=np.float64)
-    n = len(present)
-    out: list[float | None] = []
-    for r in rewards:
-        if r is None:
-            out.append(None)
-        elif spec.kind is AdvantageKind.NONE:
-            out.append(float(r))
-        elif spec.kind is AdvantageKind.RLOO:
-            out.append(float(r - (present.sum() - r) / (n - 1)) if n > 1 else 0.0)
-        else:
-            mean = float(present.mean())
-            if not spec.normalize_std:
-                out.append(float(r - mean))
-            else:
-                std = float(present.std(ddof=1)) if n > 1 else 0.0
-                out.append(float((r - mean) / (std + spec.epsilon)))
-    return out

@@ -9,7 +9,8 @@
             batch.ack()                      # the cursor advances here, in Postgres
 
 A batch is delivered again until it is acknowledged (a trainer that dies before ``ack()`` gets it again on
-restart), and never after: ``ack()`` is a compare-and-set on the position the batch was read from.
+restart), and never after: ``ack()`` is a compare-and-set on the position the batch was read from. Trajectories
+of archived periods (`rollout archive`) come from ``reader.archived()``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import psycopg
 import pyarrow as pa
 
 from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec
+from rollout_ledger.client.archived import archived_chunks
 from rollout_ledger.client.cursor import CursorError, Cursors, Read
-from rollout_ledger.client.records import SCHEMAS, Unit
+from rollout_ledger.client.records import FIELDS, SCHEMAS, Unit
 from rollout_ledger.client.selection import RewardChoice, Selection
 from rollout_ledger.client.tables import table
 
@@ -74,6 +76,7 @@ class TrajectoryReader:
                  unit: Unit = Unit.SEGMENT, batch_size: int = 256, start: str = "earliest") -> None:
         if fmt not in SCHEMAS:
             raise ValueError(f"unknown record shape {fmt!r}; known: {', '.join(SCHEMAS)}")
+        self.database_url = database_url
         self.sel = selection or Selection()
         self.shape = fmt
         self.unit = unit
@@ -143,6 +146,16 @@ class TrajectoryReader:
                 stop.wait(poll_s)
                 continue
             yield batch
+
+    def archived(self, selection: Selection | None = None, chunk: int = 2000) -> Iterator[pa.Table]:
+        """The trajectories of archived periods (`rollout archive`) that ``selection`` (default: the reader's)
+        takes, as tables of this reader's shape, period by period; no cursor moves. Every registered consumer had
+        passed an archived period's feed entries before it was archived, so this is for history: a consumer that
+        starts at ``earliest`` after an archive reads the archived trajectories here, then the feed. Batch, env,
+        status and time filters only (``client/archived.py``)."""
+        sel = selection or self.sel
+        for got in archived_chunks(self.database_url, sel, FIELDS[self.shape], chunk):
+            yield table(got, self.shape, self.unit)
 
     def _ack(self, batch: Batch) -> None:
         with self.conn.transaction():

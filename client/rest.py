@@ -19,8 +19,7 @@ from typing import Any
 
 import httpx
 
-TERMINAL = ("completed", "truncated", "aborted", "failed", "cancelled")
-"""Episode statuses that end an episode."""
+from rollout_ledger.shared.lifecycle import TERMINAL as TERMINAL  # the statuses that end an episode (re-exported)
 
 
 class SchedulerError(RuntimeError):

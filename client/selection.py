@@ -232,8 +232,9 @@ def _filters(sel: Selection, scope: Scope | None = None) -> _Filters:
     return _Filters(reward, reward_join, where, final, params, rows)
 
 
-def stream_query(sel: Selection, fields: Collection[str] | None = None,
-                 scope: Scope | None = None) -> tuple[str, dict[str, Any], tuple[str, ...]]:
+def stream_query(sel: Selection, fields: Collection[str] | None = None, scope: Scope | None = None,
+                 partition: tuple[dt.datetime | None, dt.datetime] | None = None,
+                 ) -> tuple[str, dict[str, Any], tuple[str, ...]]:
     """The selection as ONE query returning ``KEY_COLUMNS`` and then the row fields of every selected trajectory,
     in (group, episode) order: what a one-shot export streams (``source.stream``) and a consumer read takes within
     its ``scope`` (``source.fetch``).
@@ -247,6 +248,11 @@ def stream_query(sel: Selection, fields: Collection[str] | None = None,
     columns (never the token arrays, whatever plan it picks for the filters: an index for a selective batch, a
     sequential scan for the whole store), and the result streams under ``COPY`` as under a cursor. Both parts
     run in one statement, so one snapshot: a key's tuple is visible at its address for the whole read.
+
+    ``trajectories`` is partitioned by month of ``episode_created_at`` (migration 0018): an address is one within
+    a partition, so the keys carry the partition key too, and the fetch names it beside the address (Postgres
+    prunes the fetch to that key's partition at run time). ``partition`` ``(lo, hi)`` keeps the trajectories whose
+    key is in ``[lo, hi)`` (``lo`` None: unbounded; what `rollout archive` writes of a period).
 
     Returns the query, its parameters and the row fields in the order they follow the keys (``episode_id`` and
     ``attempt`` are keys, not repeated). Fields come as stored: packed bytes for ``PACKED_FIELDS``, ``int4[]``
@@ -262,12 +268,20 @@ def stream_query(sel: Selection, fields: Collection[str] | None = None,
     advantage = sel.advantage.sql(r, f"avg({r}) OVER g", f"stddev_samp({r}) OVER g", f"sum({r}) OVER g",
                                   f"count({r}) OVER g")
     source = f"FROM trajectories t JOIN episodes e ON e.id = t.episode_id {f.reward_join}"
+    if partition is not None:
+        lo, hi = partition
+        if lo is not None:
+            f.where.append("t.episode_created_at >= %(partition_lo)s")
+            f.params["partition_lo"] = lo
+        f.where.append("t.episode_created_at < %(partition_hi)s")
+        f.params["partition_hi"] = hi
     where = list(f.where)
     if f.final:
         where.append(f"t.group_id IN (SELECT t.group_id {source} WHERE {' AND '.join(f.where) or 'TRUE'} "
                      f"GROUP BY t.group_id HAVING "
                      f"{f.final_sql(members='count(*)', hi=f'max({r})', lo=f'min({r})', group='t.group_id')})")
-    keys = (f"SELECT t.ctid AS tid, e.ctid AS eid, t.group_id AS gid, t.episode_id, t.attempt, {r} AS reward, "
+    keys = (f"SELECT t.ctid AS tid, t.episode_created_at AS tkey, e.ctid AS eid, t.group_id AS gid, t.episode_id, "
+            f"t.attempt, {r} AS reward, "
             f"{advantage} AS advantage, count(*) OVER g AS group_size {source} "
             f"WHERE {' AND '.join(where) or 'TRUE'} WINDOW g AS (PARTITION BY t.group_id ORDER BY t.episode_id "
             "ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING) ORDER BY t.group_id, t.episode_id")
@@ -275,7 +289,8 @@ def stream_query(sel: Selection, fields: Collection[str] | None = None,
         keys = f"SELECT * FROM ({keys}) s WHERE {f.rows} ORDER BY gid, episode_id"
     episodes = any(ROW_SQL[c].startswith("e.") for c in names)
     fetch = ("SELECT " + ", ".join(f"{ROW_SQL[c]} AS {c}" for c in names) + " FROM trajectories t"
-             + (", episodes e WHERE e.ctid = k.eid AND" if episodes else " WHERE") + " t.ctid = k.tid OFFSET 0")
+             + (", episodes e WHERE e.ctid = k.eid AND" if episodes else " WHERE")
+             + " t.episode_created_at = k.tkey AND t.ctid = k.tid OFFSET 0")
     query = (f"SELECT k.episode_id, k.attempt, k.reward, k.advantage, k.group_size, w.* FROM ({keys}) k "
              f"CROSS JOIN LATERAL ({fetch}) w ORDER BY k.gid, k.episode_id")
     return query, f.params, names

@@ -29,7 +29,7 @@ from rollout_ledger.client.selection import (
     stream_query,
 )
 from rollout_ledger.shared.errors import SchemaError, StoreError
-from rollout_ledger.shared.kit.settings import normalize_database_url
+from rollout_ledger.shared.kit.settings import libpq_database_url
 
 BATCH_BYTES = 4 << 20
 """About how many bytes of rows the driver decodes into one Arrow batch (then cut into chunks)."""
@@ -39,8 +39,8 @@ and Arrow calls, which cost as much as the rows' own at 500 rows."""
 
 
 def libpq_url(database_url: str) -> str:
-    """A SQLAlchemy-style DSN (``postgresql+psycopg://``) as libpq wants it."""
-    return normalize_database_url(database_url).replace("postgresql+psycopg://", "postgresql://", 1)
+    """A SQLAlchemy-style DSN (``postgresql+psycopg://``) as libpq wants it (several hosts in the netloc)."""
+    return libpq_database_url(database_url)
 
 
 def connect(database_url: str, *, autocommit: bool = False) -> psycopg.Connection[Any]:

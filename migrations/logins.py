@@ -13,7 +13,7 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from rollout_ledger.shared.errors import InfraError
-from rollout_ledger.shared.kit.settings import BaseServiceSettings, normalize_database_url
+from rollout_ledger.shared.kit.settings import BaseServiceSettings, libpq_database_url, normalize_database_url
 
 SERVICE_ROLES: dict[str, str] = {
     "scheduler": "rollout_scheduler",
@@ -26,8 +26,8 @@ SERVICE_ROLES: dict[str, str] = {
 
 
 def libpq(url: str) -> str:
-    """``url`` as a libpq DSN (no SQLAlchemy driver suffix)."""
-    return normalize_database_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
+    """``url`` as a libpq DSN (no SQLAlchemy driver suffix; several hosts in the netloc)."""
+    return libpq_database_url(url)
 
 
 def create_login(owner_url: str, service: str, user: str, password: str) -> None:

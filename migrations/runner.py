@@ -37,6 +37,38 @@ def upgrade(database_url: str, revision: str = "head") -> None:
     command.upgrade(alembic_config(database_url), revision)
 
 
+def current(database_url: str) -> str | None:
+    """The database's revision (None: never migrated)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(sync_url(database_url))
+    try:
+        with engine.connect() as conn:
+            if conn.execute(text("select to_regclass('alembic_version')")).scalar() is None:
+                return None
+            return conn.execute(text("select version_num from alembic_version")).scalar()
+    finally:
+        engine.dispose()
+
+
+def upgrade_stopping_at_expand(database_url: str) -> str:
+    """Upgrade as the migrations Job of a rolling upgrade must; returns the revision reached.
+
+    A database below this release's expand revision (``shared.db.EXPAND_REVISION``) is brought to it and no further:
+    pods of the previous release may still write, and the contract revisions after it would break them. A database
+    at or past it, or never migrated (no previous release runs), goes to head. So the first run of a release's Job
+    expands, and the run after the rollout (docs/deploy.md, "Upgrading") contracts."""
+    from rollout_ledger.shared.db import EXPAND_REVISION
+
+    now = current(database_url)
+    order = [r.revision for r in ScriptDirectory.from_config(alembic_config()).walk_revisions("base", "heads")]
+    if now is not None and now in order and order.index(now) > order.index(EXPAND_REVISION):
+        upgrade(database_url, EXPAND_REVISION)
+        return EXPAND_REVISION
+    upgrade(database_url)
+    return head()
+
+
 def downgrade(database_url: str, revision: str) -> None:
     command.downgrade(alembic_config(database_url), revision)
 

@@ -76,8 +76,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("recorder", ("serve", "recorder"), f"{_PKG}.recorder.settings:RecorderSettings",
                  SERVICE_IMAGE, _BUS | {"DATABASE_URL"}, entry=f"{_PKG}.recorder.main"),
         # jobs and the exporter (CLI commands in the same image)
-        Workload("migrate", ("db", "upgrade"), _BASE_SETTINGS, SERVICE_IMAGE, frozenset({"DATABASE_URL"}),
-                 serves_http=False),
+        Workload("migrate", ("db", "upgrade", "--stop-at-expand"), _BASE_SETTINGS, SERVICE_IMAGE,
+                 frozenset({"DATABASE_URL"}), serves_http=False),
         # after the migrations: a login per service (its own DSN's user and password) in its role (migration 0012)
         Workload("db-logins", ("db", "create-logins"), "rollout_ledger.migrations.logins:LoginSettings",
                  SERVICE_IMAGE, frozenset({"DATABASE_URL", "ROLLOUT_SCHEDULER_DATABASE_URL",

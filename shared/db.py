@@ -5,12 +5,21 @@ A trajectory also keeps its token ids packed little-endian (``token_ids_le``: ``
 logprobs of its sampled tokens (the action ranges, in order) packed the same way (``sampled_logprobs_le``, ``"<f4"``)
 and the weight version of each action range (``action_versions``): what the exporter reads, because Postgres
 serialises ``int4[]`` element by element and a per-token array is stored out of line.
+
+``turns``, ``steps``, ``trajectory_feed`` (migration 0016) and ``trajectories`` (0018) are range-partitioned by month
+(the partitions, made by ``rl_ensure_partitions``, live in schema ``rl_partitions`` and are not models): each
+primary key carries the partition key, a time that never changes for the row (an event's ``produced_at``, a feed
+entry's ``logged_at``, a trajectory's ``episode_created_at``: its episode's ``created_at``, which every attempt
+shares).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -27,10 +36,13 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    event,
     func,
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, REAL
+from sqlalchemy.engine import ExceptionContext
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from rollout_ledger.shared.errors import SchemaVersionError, StoreError
@@ -128,11 +140,13 @@ turns = Table(
     Column("cached_tokens", Integer),
     Column("superseded", Boolean, nullable=False, server_default=text("false"),
            comment="true for a try or attempt the episode did not keep"),
-    Column("produced_at", DateTime(timezone=True), nullable=False),
+    Column("produced_at", DateTime(timezone=True), primary_key=True,
+           comment="the event's time: the partition key (a redelivery carries the same, so it meets its first copy)"),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("version_runs", JSONB, comment="[[start, version], ...] when the turn straddles a weight swap in mode "
            "keep (from id start on, sampled by version); null: every id by weight_version (migration 0015)"),
     Index("ix_turns_episode", "episode_id", "attempt", "turn_index"),
+    postgresql_partition_by="RANGE (produced_at)",
 )
 
 steps = Table(
@@ -156,19 +170,23 @@ steps = Table(
     Column("new_segment", Boolean, nullable=False, server_default=text("false"),
            comment="observation_token_ids is the re-rendered context that starts a new segment"),
     Column("superseded", Boolean, nullable=False, server_default=text("false")),
-    Column("produced_at", DateTime(timezone=True), nullable=False),
+    Column("produced_at", DateTime(timezone=True), primary_key=True, comment="the partition key (as of turns)"),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("reused_from", String(256),
            comment="a resumed attempt carried this turn over: the recorded step it repeats (migration 0015)"),
     Column("env_state", JSONB, comment="a snapshot env's state after this step (migration 0015)"),
     _finite_reward("steps", "reward"),
     Index("ix_steps_episode", "episode_id", "attempt", "turn_index"),
+    postgresql_partition_by="RANGE (produced_at)",
 )
 
 trajectories = Table(
     "trajectories",
     metadata,
-    Column("episode_id", String(128), ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True),
+    Column("episode_id", String(128),
+           ForeignKey("episodes.id", ondelete="CASCADE", name="fk_trajectories_episode"), primary_key=True),
+    Column("episode_created_at", DateTime(timezone=True), primary_key=True,
+           comment="its episode's created_at: the partition key (a replacement by a higher attempt keeps it)"),
     Column("batch_id", String(128), nullable=False),
     Column("group_id", String(160), nullable=False),
     Column("env", String(128), nullable=False),
@@ -209,6 +227,8 @@ trajectories = Table(
     _finite_reward("trajectories", "reward"),
     Index("ix_trajectories_batch", "batch_id"),
     Index("ix_trajectories_group", "group_id"),
+    Index("ix_trajectories_created", "created_at"),
+    postgresql_partition_by="RANGE (episode_created_at)",
 )
 
 attempt_failures = Table(
@@ -264,19 +284,55 @@ dead_letters = Table(
 )
 
 
-SCHEMA_REVISION = "0015"
+SCHEMA_REVISION = "0018"
 """The Alembic revision these tables describe and this code expects: the newest file in migrations/versions
 (tests/unit/test_schema_revision.py fails when a migration is added without moving it)."""
+EXPAND_REVISION = "0017"
+"""The revision of an upgrade in progress this code also runs on: the expand half, applied before the services
+roll, while pods of the previous release still write; ``SCHEMA_REVISION`` is applied once they are gone
+(docs/deploy.md, "Upgrading")."""
 
 
 def create_engine(database_url: str, *, pool_size: int = 5, echo: bool = False) -> AsyncEngine:
-    """An async engine on psycopg 3."""
-    return create_async_engine(database_url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
-                               echo=echo)
+    """An async engine on psycopg 3 whose pool never hands out a connection to a server that cannot take writes.
+
+    ``pool_pre_ping`` replaces a connection that died (a restart, a failover: with a multi-host DSN and
+    ``target_session_attrs=read-write`` the new one lands on the new primary). A connection that lives but reaches a
+    server that turned read-only (a primary demoted in place) answers the ping and then refuses every write:
+    ``stale_connection`` errors count as disconnects, so SQLAlchemy drops that connection and the pool's older ones
+    and the caller's retry connects afresh."""
+    engine = create_async_engine(database_url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                                 echo=echo)
+    event.listen(engine.sync_engine, "handle_error", _read_only_is_a_disconnect)
+    return engine
+
+
+@contextlib.contextmanager
+def store_errors(what: str) -> Iterator[None]:
+    """Turn SQLAlchemy/psycopg failures of the block into ``StoreError`` naming the operation (the Postgres side's
+    ``bus_errors``)."""
+    try:
+        yield
+    except DBAPIError as exc:
+        raise StoreError(f"{what}: {exc.orig or exc}") from exc
+    except SQLAlchemyError as exc:
+        raise StoreError(f"{what}: {exc}") from exc
+
+
+def stale_connection(exc: BaseException) -> bool:
+    """True for an error that says this connection's server no longer takes writes (SQLSTATE 25006, a demoted or
+    recovering server): a new connection (to the multi-host DSN's writable host) is the cure, not the same one."""
+    return isinstance(exc, psycopg.errors.ReadOnlySqlTransaction)
+
+
+def _read_only_is_a_disconnect(context: ExceptionContext) -> None:
+    if stale_connection(context.original_exception):
+        context.is_disconnect = True
 
 
 async def check_schema(engine: AsyncEngine) -> None:
-    """Refuse to run against a database whose schema is not at this code's head revision."""
+    """Refuse to run against a database whose schema is not at this code's head revision (or the expand revision of
+    an upgrade in progress, ``EXPAND_REVISION``)."""
     expected = SCHEMA_REVISION
     try:
         async with engine.connect() as conn:
@@ -292,7 +348,7 @@ async def check_schema(engine: AsyncEngine) -> None:
                 "(which grants it to the service roles) or the login is in none of them: run `rollout db upgrade` "
                 "(or `make migrate`) as the owner, then `rollout db create-logins`") from exc
         raise StoreError(f"cannot reach Postgres: {exc}") from exc
-    if current != expected:
+    if current not in (expected, EXPAND_REVISION):
         raise SchemaVersionError(
             f"database schema is at revision {current or 'none'}, this code needs {expected}: "
             "run `rollout db upgrade` (or `make migrate`) against this DATABASE_URL first"
@@ -317,9 +373,11 @@ trajectory_feed = Table(
                    "marker)"),
     Column("group_id", String(160), nullable=False),
     Column("batch_id", String(128), nullable=False),
-    Column("logged_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("logged_at", DateTime(timezone=True), primary_key=True, server_default=func.now(),
+           comment="the partition key"),
     Index("ix_trajectory_feed_position", "xid", "seq"),
     Index("ix_trajectory_feed_group", "group_id"),
+    postgresql_partition_by="RANGE (logged_at)",
     comment="one row per trajectory written or replaced (filled by triggers on trajectories): consumer cursors",
 )
 
@@ -377,6 +435,23 @@ policy_worker_states = Table(
     CheckConstraint("state IN ('announced', 'loading', 'serving', 'failed', 'retired')",
                     name="ck_policy_worker_states_state"),
     Index("ix_policy_worker_states_worker", "worker_id", "version"),
+)
+
+archives = Table(
+    "archives",
+    metadata,
+    Column("period_start", DateTime(timezone=True), primary_key=True),
+    Column("period_end", DateTime(timezone=True), nullable=False),
+    Column("url", Text, nullable=False, comment="where the period's Parquet files and manifest are"),
+    Column("manifest", Text, nullable=False, comment="the manifest's URL"),
+    Column("tables", JSONB, nullable=False, comment="rows archived per table"),
+    Column("batch_ids", ARRAY(Text, dimensions=1), nullable=False,
+           comment="batches with trajectories in the archive (where a reader looks for them)"),
+    Column("schema_revision", Text, nullable=False),
+    Column("archived_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("period_start < period_end", name="ck_archives_period"),
+    comment="periods `rollout archive` moved to Parquet: where the manifest is, row counts per table and the "
+            "batches whose trajectories it holds (readers find archived rows here)",
 )
 
 logprob_audits = Table(

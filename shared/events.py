@@ -510,24 +510,6 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def event_schemas() -> dict[str, dict[str, Any]]:
-    """JSON schema of each event type, keyed by ``type`` (pinned by the contract tests)."""
-    out: dict[str, dict[str, Any]] = {}
-    for model in (
-        EpisodeRequested,
-        EpisodeStarted,
-        InferenceRequested,
-        TurnGenerated,
-        StepCompleted,
-        EpisodeFinished,
-        EpisodeFailed,
-        EpisodeCancelled,
-    ):
-        type_name = model.model_fields["type"].default
-        out[type_name] = model.model_json_schema()
-    return out
-
-
 def dumps(obj: Any) -> bytes:
     """orjson with numpy support, for non-event payloads (heartbeats, KV values)."""
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -33,7 +33,10 @@ class EpisodeStatus(enum.StrEnum):
 
 S = EpisodeStatus
 
-TERMINAL: frozenset[EpisodeStatus] = frozenset({S.COMPLETED, S.TRUNCATED, S.ABORTED, S.FAILED, S.CANCELLED})
+FINISHED: frozenset[EpisodeStatus] = frozenset({S.COMPLETED, S.TRUNCATED, S.ABORTED})
+"""Statuses of episodes that ended with a trajectory of their own (not failed, not cancelled)."""
+TERMINAL: frozenset[EpisodeStatus] = FINISHED | {S.FAILED, S.CANCELLED}
+"""Statuses an episode never leaves."""
 
 TRANSITIONS: dict[EpisodeStatus, frozenset[EpisodeStatus]] = {
     # admission moves WAITING -> REQUESTED (and publishes its work item); a cancel ends it
@@ -50,17 +53,8 @@ TRANSITIONS: dict[EpisodeStatus, frozenset[EpisodeStatus]] = {
 """Legal moves: from a status to the statuses it may become."""
 
 
-class IllegalTransition(ValueError):
-    """A status change the table does not allow (HTTP 409 where a user asked for it)."""
-
-
 def can_transition(src: EpisodeStatus, dst: EpisodeStatus) -> bool:
     return dst in TRANSITIONS[src]
-
-
-def check_transition(src: EpisodeStatus, dst: EpisodeStatus) -> None:
-    if not can_transition(src, dst):
-        raise IllegalTransition(f"episode cannot go from {src} to {dst}")
 
 
 def allowed_sources(dst: EpisodeStatus) -> list[str]:

@@ -73,6 +73,15 @@ def event_subject(event_type: str) -> str:
     return f"{EVENTS_SUBJECT_PREFIX}.{event_type}"
 
 
+def subject_of(event_type: str, route: str | None = None) -> str:
+    """The subject an event is published to: a work item (``episode.requested``) to its env's ``route``
+    (``work_subject``), or without one to the legacy subject every env worker pulls; any other event to
+    ``event_subject``."""
+    if event_type == "episode.requested":
+        return work_subject(route) if route is not None else WORK_SUBJECT
+    return event_subject(event_type)
+
+
 # --- dead letters of consumers that have no database (the env workers' work queue) ----------------
 DEAD_LETTER_STREAM = "RL_DEAD_LETTERS"
 DEAD_LETTER_SUBJECT_PREFIX = "rl.deadletters"

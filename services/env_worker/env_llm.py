@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from nats.aio.client import Client as NATS
 
-from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig, TryFailed
+from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
+from rollout_ledger.services.env_worker.inference_request import TryFailed, turn_of
 from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
 from rollout_ledger.services.envs.base import Message
 from rollout_ledger.shared.errors import InferenceError, SchemaError
@@ -126,7 +127,7 @@ class ServedEnvLLM:
             request: InferenceRequested = build(attempt)
             try:
                 reply = await self.client.request_once(subject, encode(request), None, request.request_id)
-                return InferenceClient._turn_of(reply, subject)  # the client's own reply check (error headers)
+                return turn_of(reply, subject)  # the client's own reply check (error headers)
             except asyncio.CancelledError:  # the episode stopped waiting: let the pool's worker abort it
                 with contextlib.suppress(Exception):
                     await self.client.nc.publish(INFER_CANCEL, request.request_id.encode())

@@ -11,12 +11,18 @@ and kept alive (``refresh``) every few seconds; the bucket's TTL expires it when
 work item whose episode's lease another live holder has does not run it: it keeps its copy in progress until the
 lease goes (``wait_gone``); then, if the work item is still on the queue (``still_queued``: the work queue drops an
 acked item), the holder died and the item runs as a new attempt; if not, the holder finished and acked it.
+
+When: a ``LeaseTerm`` keeps the holder's side of the time, on an injectable clock (``time.monotonic`` by default):
+a renewal due every ``every_s``, and the lease surely expired once ``ttl_s`` (the bucket's TTL) passed since the
+last write the bucket acknowledged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -24,7 +30,8 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.kv import KeyValue
 
 from rollout_ledger.shared.errors import BusError
-from rollout_ledger.shared.subjects import LEASE_BUCKET, WORK_STREAM, episode_lease_key
+from rollout_ledger.shared.kit.bus import bus_errors
+from rollout_ledger.shared.subjects import LEASE_BUCKET, LEASE_TTL_S, WORK_STREAM, episode_lease_key
 
 
 @dataclass(frozen=True)
@@ -68,14 +75,43 @@ class LeaseLost(Exception):
         self.holder = holder
 
 
+class LeaseTerm:
+    """The holder's clock on one lease: when it was last written (acknowledged by the bucket), how often it is
+    renewed, and whether the bucket's TTL has surely ended it (a renewal failing past the TTL says so in its log)."""
+
+    def __init__(self, every_s: float, ttl_s: float = LEASE_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        """Renewal interval (the worker's: a third of the lease TTL and of the ack wait)."""
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.written_at = clock()
+        """Clock time of the last write the bucket acknowledged (the lease is taken when the term starts)."""
+
+    def renewed(self) -> None:
+        """The bucket acknowledged a write of the lease now: its TTL starts over."""
+        self.written_at = self.clock()
+
+    def age(self) -> float:
+        """Seconds since the last acknowledged write."""
+        return self.clock() - self.written_at
+
+    def expired(self) -> bool:
+        """Whether the bucket has surely expired the lease: no acknowledged write for longer than ``ttl_s`` (exactly
+        ``ttl_s``: not yet). Another holder may have it then; ``refresh`` finds out which."""
+        return self.age() > self.ttl_s
+
+
 class EpisodeLeases:
     """Create, refresh and release the leases of the episodes this worker process runs."""
 
-    def __init__(self, js: JetStreamContext, worker: str, run: str) -> None:
+    def __init__(self, js: JetStreamContext, worker: str, run: str, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self.js = js
         self.worker = worker
         self.run = run
         """Distinguishes this process from an earlier one of the same ``worker`` id (killed and started again)."""
+        self.clock = clock
+        """The clock of the terms of its leases (``term``)."""
         self._kv: KeyValue | None = None
 
     async def start(self) -> None:
@@ -90,12 +126,18 @@ class EpisodeLeases:
     def mine(self, seq: int, attempt: int) -> Lease:
         return Lease(self.worker, self.run, seq, attempt)
 
+    def term(self, every_s: float) -> LeaseTerm:
+        """The term of a lease just taken, renewed every ``every_s``, on this object's clock."""
+        return LeaseTerm(every_s, LEASE_TTL_S, self.clock)
+
     async def holder(self, episode_id: str) -> tuple[Lease | None, int]:
-        """The live lease of the episode and its revision; (None, 0) when there is none."""
-        try:
-            entry = await self.kv.get(episode_lease_key(episode_id))
-        except KeyNotFoundError:  # never written, released, or expired
-            return None, 0
+        """The live lease of the episode and its revision; (None, 0) when there is none. ``BusError`` when the
+        bucket cannot be read (as every method here)."""
+        with bus_errors("read a lease"):
+            try:
+                entry = await self.kv.get(episode_lease_key(episode_id))
+            except KeyNotFoundError:  # never written, released, or expired
+                return None, 0
         return Lease.decode(entry.value), int(entry.revision or 0)
 
     async def acquire(self, episode_id: str, lease: Lease) -> Claim:
@@ -103,44 +145,50 @@ class EpisodeLeases:
         stale (that process is gone): taken over at once."""
         key = episode_lease_key(episode_id)
         while True:
-            try:
-                return Claim(True, await self.kv.create(key, lease.encode()), lease)
-            except KeyWrongLastSequenceError:
-                pass
+            with bus_errors("take a lease"):
+                try:
+                    return Claim(True, await self.kv.create(key, lease.encode()), lease)
+                except KeyWrongLastSequenceError:
+                    pass
             held, revision = await self.holder(episode_id)
             if revision == 0:  # released or expired between the two calls: try again
                 continue
             if held == lease:  # ours already (an earlier call took it and its caller did not get to use it)
                 return Claim(True, revision, lease)
             if held is not None and held.worker == self.worker and held.run != self.run:
-                try:
-                    return Claim(True, await self.kv.update(key, lease.encode(), last=revision), lease)
-                except KeyWrongLastSequenceError:
-                    continue
+                with bus_errors("take over a lease"):
+                    try:
+                        return Claim(True, await self.kv.update(key, lease.encode(), last=revision), lease)
+                    except KeyWrongLastSequenceError:
+                        continue
             return Claim(False, revision, held)
 
     async def refresh(self, episode_id: str, lease: Lease, revision: int) -> int:
         """Write the lease again (its TTL starts over); the new revision. ``LeaseLost`` when another holder has
         it; the lease is taken again when it expired meanwhile (a NATS outage longer than the TTL) and is free."""
-        try:
-            return await self.kv.update(episode_lease_key(episode_id), lease.encode(), last=revision)
-        except KeyWrongLastSequenceError:
-            pass
+        with bus_errors("renew a lease"):
+            try:
+                return await self.kv.update(episode_lease_key(episode_id), lease.encode(), last=revision)
+            except KeyWrongLastSequenceError:
+                pass
         held, revision = await self.holder(episode_id)
         if held == lease:  # ours at another revision (the reply to an earlier refresh was lost)
             return revision
         if revision == 0:  # expired meanwhile and nobody took it: take it again
-            try:
-                return await self.kv.create(episode_lease_key(episode_id), lease.encode())
-            except KeyWrongLastSequenceError:
-                held, _ = await self.holder(episode_id)
+            with bus_errors("take a lease again"):
+                try:
+                    return await self.kv.create(episode_lease_key(episode_id), lease.encode())
+                except KeyWrongLastSequenceError:
+                    pass
+            held, _ = await self.holder(episode_id)
         raise LeaseLost(held)
 
     async def release(self, episode_id: str, revision: int) -> None:
         """Delete the lease if it is still ours (``revision``); best effort: an unreleased lease expires."""
         try:
-            await self.kv.delete(episode_lease_key(episode_id), last=revision)
-        except Exception:  # taken over or NATS down: the TTL ends it
+            with bus_errors("release a lease"):
+                await self.kv.delete(episode_lease_key(episode_id), last=revision)
+        except BusError:  # taken over (a wrong last sequence) or NATS down: the TTL ends it
             return
 
     async def wait_gone(self, episode_id: str, claim: Claim, poll_s: float) -> None:
@@ -150,17 +198,16 @@ class EpisodeLeases:
             await asyncio.sleep(poll_s)
             try:
                 current, revision = await self.holder(episode_id)
-            except Exception:  # NATS reconnecting: ask again
+            except BusError:  # NATS reconnecting: ask again
                 continue
             if revision == 0 or current != claim.holder or (current is None and revision != claim.revision):
                 return
 
     async def still_queued(self, seq: int) -> bool:
         """Whether the work item ``seq`` is still on the work queue (not acked by whoever ran it)."""
-        try:
-            await self.js.get_msg(WORK_STREAM, seq)
-        except NotFoundError:
-            return False
-        except Exception as exc:
-            raise BusError(f"cannot read work item {seq}: {exc}", retryable=True) from exc
+        with bus_errors(f"read work item {seq}"):
+            try:
+                await self.js.get_msg(WORK_STREAM, seq)
+            except NotFoundError:
+                return False
         return True

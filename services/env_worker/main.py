@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -16,11 +15,10 @@ from rollout_ledger.services.envs.builtins import builtin_registry
 from rollout_ledger.services.envs.library import library_specs
 from rollout_ledger.services.envs.registry import EnvRegistry
 from rollout_ledger.services.envs.remote import RemoteEnvs
-from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer, ModelNotFoundError, load_chat_tokenizer
-from rollout_ledger.shared.kit.logging import configure_logging, get_logger
-from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app
-from rollout_ledger.shared.kit.tracing import setup_tracing
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.runtime import Health, Shutdown
+from rollout_ledger.shared.kit.service import ServiceScope, run_main
 
 log = get_logger(__name__)
 
@@ -52,40 +50,23 @@ async def run(settings: EnvWorkerSettings, shutdown: Shutdown) -> None:
     """Serve until ``shutdown`` is set, then drain in-flight episodes and return."""
     metrics = build_metrics()
     health = Health()
-    http = HttpServer(ops_app(SERVICE, health, metrics.registry), settings.http_host, settings.http_port)
-    await http.start()
-    remote = RemoteEnvs.build(settings.remote_endpoints(), settings.remote_config(),
-                              on_retry=metrics.remote_env_retries.inc)
-    envs = build_envs(settings, remote)
-    template = TurnTemplate(policy_tokenizer(settings))
-    agents = await AgentRuntime.start(settings)
-    nc = await bus.connect(settings.nats_url, name=f"{SERVICE}-{settings.worker_id}",
-                           connect_timeout_s=settings.nats_connect_timeout_s)
-    env_llm = ServedEnvLLM.from_settings(settings, nc, template.tokenizer)  # a simulated user's LLM (tau2 envs)
-    await env_llm.start()
-    tracing = setup_tracing(settings, SERVICE)  # off unless a collector is configured (ROLLOUT_TRACING_ENDPOINT)
-    try:
-        await EnvWorker(settings, nc, envs, template, metrics, health, agents=agents, env_llm=env_llm,
-                        tracing=tracing).run(shutdown)
-    finally:
-        await env_llm.stop()
-        await bus.close(nc)
-        await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered
+    async with ServiceScope(SERVICE, settings, health, metrics.registry) as scope:
+        remote = RemoteEnvs.build(settings.remote_endpoints(), settings.remote_config(),
+                                  on_retry=metrics.remote_env_retries.inc)
+        scope.on_close(remote.aclose)
+        envs = build_envs(settings, remote)
+        template = TurnTemplate(policy_tokenizer(settings))
+        agents = await AgentRuntime.start(settings)
         if agents is not None:
-            await agents.stop()
-        await remote.aclose()
-        await http.stop()
-    log.info("env_worker.stopped")
+            scope.on_close(agents.stop)
+        nc = await scope.connect(topology=False)  # the worker declares its topology and consumers itself
+        env_llm = ServedEnvLLM.from_settings(settings, nc, template.tokenizer)  # a simulated user's LLM (tau2 envs)
+        await env_llm.start()
+        scope.on_close(env_llm.stop)
+        await EnvWorker(settings, nc, envs, template, metrics, health, agents=agents, env_llm=env_llm,
+                        tracing=scope.tracing).run(shutdown)
 
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    settings = EnvWorkerSettings()
-    configure_logging(settings.log_level, settings.log_format, service=SERVICE)
-
-    async def _main() -> None:
-        shutdown = Shutdown()
-        shutdown.install()
-        await run(settings, shutdown)
-
-    asyncio.run(_main())
+    run_main(SERVICE, EnvWorkerSettings, run)

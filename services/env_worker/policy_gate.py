@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.kit.policy_bus import RECHECK_S, PolicyBus, ReportMirror, every
+from rollout_ledger.shared.kit.policy_bus import RECHECK_S, PolicyBus, ReportMirror
+from rollout_ledger.shared.kit.runtime import ticks
 from rollout_ledger.shared.policy import (
     EnvPolicyReport,
     EnvPolicyState,
@@ -226,4 +227,5 @@ class EpisodeGate:
             await self.bus.put(POLICY_ENV_BUCKET, self.worker_id, self.current_report())
 
     async def _report_forever(self) -> None:
-        await every(self.report_s, self._stopped, self.report)
+        async for _ in ticks(self._stopped, self.report_s, at_once=False):  # the first report went out at start
+            await self.report()

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 
 from rollout_ledger.shared import resume as contract
-from rollout_ledger.shared.errors import SchemaError
+from rollout_ledger.shared.errors import BusError, SchemaError
+from rollout_ledger.shared.kit.bus import bus_errors
 from rollout_ledger.shared.resume import RecordedTurn, ResumeQuery, ResumeRecord
 from rollout_ledger.shared.subjects import ERROR_HEADER, RESUME_SUBJECT
 
@@ -73,9 +74,10 @@ class ResumeReader:
 
     async def _ask(self, query: ResumeQuery) -> ResumeRecord:
         try:
-            msg = await self.nc.request(RESUME_SUBJECT, contract.encode(query), timeout=self.timeout_s)
-        except Exception as exc:  # no responders, a timeout, a closed connection: nats-py raises several types
-            raise ResumeUnavailable(f"no recorder answered the resume query ({type(exc).__name__})") from exc
+            with bus_errors("the resume query"):
+                msg = await self.nc.request(RESUME_SUBJECT, contract.encode(query), timeout=self.timeout_s)
+        except BusError as exc:  # no responders, a timeout, a closed connection
+            raise ResumeUnavailable(f"no recorder answered the resume query ({exc})") from exc
         if msg.headers and msg.headers.get(ERROR_HEADER):
             raise ResumeUnavailable(f"the recorder could not answer: {msg.data[:300].decode(errors='replace')}")
         try:

@@ -23,19 +23,15 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from rollout_ledger.services.envs.base import EnvSpec
+from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.events import dumps
+from rollout_ledger.shared.kit.bus import bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.runtime import ticks
+from rollout_ledger.shared.route_advert import RouteAdvert
 from rollout_ledger.shared.subjects import ENV_WORKER_TTL_S, ENV_WORKERS_BUCKET, ENVS_BUCKET, env_key
 
 log = get_logger(__name__)
-
-FAMILY_ADVERT_SUFFIX = ":*"
-"""A family's one ``rl_envs`` entry is ``<family>:*`` (``rg:*``)."""
-
-
-def family_advert_name(family: str) -> str:
-    return f"{family}{FAMILY_ADVERT_SUFFIX}"
-
 
 def routes_of(specs: Iterable[EnvSpec], agents: Iterable[str] = ()) -> dict[str, list[str]]:
     """Route -> the env names of this worker routed by it (agent functions are routed by their own name)."""
@@ -56,20 +52,19 @@ def adverts(specs: Iterable[EnvSpec], worker_id: str) -> dict[str, dict[str, Any
         if spec.family:
             families.setdefault(spec.family, []).append(spec)
         else:
-            out[spec.name] = {**spec.advert(registered_by=worker_id), "route": spec.route}
+            out[spec.name] = {**spec.advert(registered_by=worker_id),
+                              **RouteAdvert.for_env(spec.name, spec.route).format()}
     for family, members in families.items():
         members = sorted(members, key=lambda s: s.name)
-        name = family_advert_name(family)
-        out[name] = {
-            "name": name,
+        routing = RouteAdvert.for_family(family, [m.name for m in members])
+        out[routing.name] = {
+            "name": routing.name,
             "description": f"{len(members)} envs of the family {family!r}: submit a batch with env "
                            f"'<member>' (one of members), e.g. {members[0].name!r}",
             "multi_turn": any(m.multi_turn for m in members),
             "example_task": members[0].example_task,
             "registered_by": worker_id,
-            "route": family,
-            "family": family,
-            "members": [m.name for m in members],
+            **routing.format(),
         }
     return out
 
@@ -102,13 +97,12 @@ async def report_forever(js: JetStreamContext, report: WorkerReport, stop: async
     this worker at once rather than after the TTL)."""
     kv = await js.key_value(ENV_WORKERS_BUCKET)
     key = env_key(report.worker)
-    while not stop.is_set():
+    async for _ in ticks(stop, ENV_WORKER_TTL_S / 3):
         try:
-            await kv.put(key, report.encode())
-        except Exception as exc:  # NATS reconnecting: the next tick writes it again (nats-py raises several types)
-            log.warning("env_worker.report_failed", error=f"{type(exc).__name__}: {exc}")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=ENV_WORKER_TTL_S / 3)
+            with bus_errors("report the worker's envs"):
+                await kv.put(key, report.encode())
+        except BusError as exc:  # NATS reconnecting: the next tick writes it again
+            log.warning("env_worker.report_failed", error=str(exc))
     with contextlib.suppress(Exception):
         await kv.delete(key)
 

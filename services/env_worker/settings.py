@@ -183,7 +183,7 @@ class EnvWorkerSettings(ConsumerSettings):
     ``agent`` (retried within ``retry_agent``) and is started again. 0: agents run on the worker's event loop.
     Sessions stay in the worker either way. Unused without ``agents``."""
 
-    # --- env-aware routing (services/env_worker/worker.py) -----------------------------------------------
+    # --- env-aware routing (services/env_worker/pull_loop.py) --------------------------------------------
     legacy_work_queue: bool = True
     """Also pull the previous release's single work subject (``rl.work.episodes``, consumer ``env-workers``), so
     items it queued before an upgrade still run; an item of an env this worker lacks is handed back for another.

@@ -5,16 +5,19 @@ custom.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rollout_ledger.services.envs import custom, openenv_remote, reasoning_gym, tau2_bench
 from rollout_ledger.services.envs.base import EnvSpec
 
-if TYPE_CHECKING:
-    from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
+
+class LibrarySettings(custom.CustomSettings, openenv_remote.OpenEnvSettings, reasoning_gym.RgSettings,
+                      tau2_bench.Tau2Settings, Protocol):
+    """What the library's families read from their host's settings (the env worker's ``EnvWorkerSettings``); the
+    library imports no service: the settings come to it."""
 
 
-def library_specs(settings: EnvWorkerSettings) -> list[EnvSpec]:
+def library_specs(settings: LibrarySettings) -> list[EnvSpec]:
     """Every library and user env this worker's settings enable (each family validates its own settings)."""
     return [*tau2_bench.specs(settings), *reasoning_gym.specs(settings), *openenv_remote.specs(settings),
             *custom.specs(settings)]

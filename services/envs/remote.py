@@ -134,11 +134,17 @@ class Slots:
         """Made on first use (inside the running loop)."""
         self._wave_left = concurrency
         """Holders of the first wave still to come (each waits a random start-up delay)."""
+        self.waiting = 0
+        """Acquirers waiting for a slot now."""
 
     async def acquire(self) -> None:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.concurrency)
-        await self._sem.acquire()
+        self.waiting += 1
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
         if self._wave_left > 0 and self.startup_jitter_s > 0:
             self._wave_left -= 1
             try:

@@ -1,7 +1,7 @@
 """Hermes-style tool calls: tool schemas, parsing ``<tool_call>{json}</tool_call>`` from a turn, argument checks.
 
-Pure functions. ``scan_blocks`` is the one scanner of ``<tool_call>`` blocks: the built-in tool environments
-take at most one call from it (``parse_turn``: the first, as in the slime tau-bench agent;
+Pure functions. ``scan_blocks`` (shared/tool_blocks.py) is the one scanner of ``<tool_call>`` blocks: the built-in
+tool environments take at most one call from it (``parse_turn``: the first, as in the slime tau-bench agent;
 ``AgentTurn.extra_calls`` counts the others) and the session endpoint (``env_worker/sessions/turns.py``)
 turns every block into an OpenAI tool call. Everything wrong with a call raises ``ToolCallError`` with a
 ``ToolCallErrorKind``; the environment decides whether that is an error observation for the model or the end
@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-OPEN = "<tool_call>"
-CLOSE = "</tool_call>"
+from rollout_ledger.shared.tool_blocks import CLOSE, OPEN, ToolBlock, scan_blocks
 
 
 class ToolCallErrorKind(enum.StrEnum):
@@ -65,41 +64,6 @@ class AgentTurn:
     """The first tool call; ``None`` for a plain-text turn."""
     extra_calls: int = 0
     """Further ``<tool_call>`` blocks in the turn (ignored, not parsed)."""
-
-
-@dataclass(frozen=True)
-class ToolBlock:
-    """One ``<tool_call>`` block of a text, as ``scan_blocks`` found it."""
-
-    start: int
-    """Offset of its ``<tool_call>``."""
-    end: int
-    """Offset just past its ``</tool_call>`` (the text's length for an unclosed block)."""
-    body: str
-    """The text between the tags (to the end of the text for an unclosed block)."""
-    closed: bool
-    """Whether a ``</tool_call>`` ends it (only the last block of a text may be unclosed)."""
-
-
-def scan_blocks(text: str) -> tuple[list[ToolBlock], list[str]]:
-    """The ``<tool_call>`` blocks of ``text`` in order (an unclosed last one runs to the end) and the pieces of
-    text outside them: one before each block and one after the last (empty after an unclosed block), so there
-    is always one piece more than blocks. No block when ``text`` holds no ``<tool_call>``."""
-    blocks: list[ToolBlock] = []
-    outside: list[str] = []
-    pos = 0
-    while (start := text.find(OPEN, pos)) >= 0:
-        outside.append(text[pos:start])
-        body_start = start + len(OPEN)
-        close = text.find(CLOSE, body_start)
-        if close < 0:
-            blocks.append(ToolBlock(start=start, end=len(text), body=text[body_start:], closed=False))
-            pos = len(text)
-            break
-        pos = close + len(CLOSE)
-        blocks.append(ToolBlock(start=start, end=pos, body=text[body_start:close], closed=True))
-    outside.append(text[pos:])
-    return blocks, outside
 
 
 def parse_block(block: ToolBlock) -> ToolCall:

@@ -1,13 +1,16 @@
 """One-shot export: a selection's trajectories streamed out of Postgres into one Parquet or JSONL file (a trainer
-shape or the full record, by chunk; ATIF, one validated document per trajectory)."""
+shape or the full record, by chunk; ATIF, one validated document per trajectory), followed by those of archived
+periods (``client/archived.py``: what `rollout archive` moved to Parquet)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
+import itertools
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_ledger.client.archived import ArchiveError, archived_chunks, archived_periods
 from rollout_ledger.client.records import DOCUMENT_FORMATS, FIELDS, FORMATS, Unit
 from rollout_ledger.client.rows import Chunk
 from rollout_ledger.client.selection import Selection
@@ -66,6 +69,10 @@ def export(database_url: str, sel: Selection, path: Path, fmt: str = "openrlhf",
     if shape == "atif":
         from rollout_ledger.services.exporter.atif import ROW_FIELDS
 
+        if sel.batch_ids and archived_periods(database_url, sel):  # over the whole store: what Postgres holds
+            raise ArchiveError("ATIF needs each trajectory's recorded turns, and archived periods hold trajectories "
+                               "of these batches: export them in a record format (their turns are in the "
+                               "archive's turns.parquet)")
         chunks = stream(database_url, sel, chunk, ROW_FIELDS)
         docs = atif_documents(database_url, chunks)
         try:
@@ -74,8 +81,13 @@ def export(database_url: str, sel: Selection, path: Path, fmt: str = "openrlhf",
             docs.close()
             chunks.close()
         return ExportResult(out, count)
-    out, count = write_file(path, ft, shape, stream(database_url, sel, chunk, FIELDS[shape]), unit,
-                            metadata={"rollout_ledger.format": fmt}, row_group_bytes=row_group_bytes)
+    live = stream(database_url, sel, chunk, FIELDS[shape])
+    every: Iterator[Chunk] = itertools.chain(live, archived_chunks(database_url, sel, FIELDS[shape], chunk))
+    try:
+        out, count = write_file(path, ft, shape, every, unit, metadata={"rollout_ledger.format": fmt},
+                                row_group_bytes=row_group_bytes)
+    finally:
+        live.close()
     return ExportResult(out, count)
 
 

@@ -6,10 +6,16 @@ the rename and the commit leaves file n in place with the cursor still at n - 1:
 read) the exporter finds it and advances the cursor to the end position in its name instead of reading again.
 So every trajectory lands in exactly one file of the consumer's output directory, across kills and restarts
 (keep the output directory with the consumer).
+
+Following, a lost connection (a Postgres restart or failover: the DSN may list a primary and its standbys with
+``target_session_attrs=read-write``) rolls the read back; the follower reconnects with backoff, to whichever host
+accepts writes, and reads again from the committed cursor (the recovery above covers a file renamed before the
+connection died).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -30,6 +36,8 @@ from rollout_ledger.services.exporter.export import shape_and_file_type
 from rollout_ledger.services.exporter.metrics import ExportMetrics
 from rollout_ledger.services.exporter.settings import ExporterSettings
 from rollout_ledger.services.exporter.writers import AtomicWriter
+from rollout_ledger.shared.errors import StoreError
+from rollout_ledger.shared.kit.backoff import Backoff
 from rollout_ledger.shared.kit.runtime import BackgroundHttpServer, Health, ops_app
 
 log = structlog.get_logger("rollout.exporter")
@@ -69,6 +77,8 @@ class Follower:
         self.out_dir = out_dir
         self.unit = unit
         self.batch_size = batch_size
+        self.database_url = database_url
+        self.start_at = start
         self.cursors = Cursors.open(database_url, consumer, start)
         self.conn: psycopg.Connection[Any] = self.cursors.conn
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +87,24 @@ class Follower:
 
     def close(self) -> None:
         self.cursors.close()
+
+    def reconnect(self, stop: threading.Event, initial_s: float = 0.5, max_s: float = 5.0) -> bool:
+        """Close the connections and open (and claim) the cursor again, with backoff, until it works or ``stop``
+        is set (False then). The claim's advisory lock went with the old session."""
+        consumer = self.cursors.consumer
+        with contextlib.suppress(Exception):  # the connections are broken already: closing may raise anything
+            self.cursors.close()
+        backoff = Backoff(initial_s, max_s)
+        while not stop.wait(backoff.delay()):
+            try:
+                self.cursors = Cursors.open(self.database_url, consumer, self.start_at)
+            except (StoreError, psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                log.warning("export_reconnect_failed", consumer=consumer, error=str(exc), tries=backoff.retries)
+                continue
+            self.conn = self.cursors.conn
+            log.info("export_reconnected", consumer=consumer, tries=backoff.retries)
+            return True
+        return False
 
     def recover(self) -> bool:
         """Advance the cursor over a file written before a crash and not yet committed; True if there was one."""
@@ -148,7 +176,15 @@ class Follower:
         """Deliver until nothing is new (or, with ``follow``, until ``stop`` is set)."""
         result = FollowResult([], 0)
         while not stop.is_set():
-            got = self.step()
+            try:
+                got = self.step()
+            except (StoreError, psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                if not follow or (isinstance(exc, StoreError) and not exc.retryable):
+                    raise
+                log.warning("export_connection_lost", consumer=self.cursors.consumer, error=str(exc))
+                if not self.reconnect(stop):
+                    break
+                continue
             if got is None:
                 if not follow:
                     break
@@ -161,6 +197,21 @@ class Follower:
                 if echo:
                     echo(f"{count} records -> {path}")
         return result
+
+
+def _open_follower(follow: bool, stop: threading.Event, make: Callable[[], Follower]) -> Follower | None:
+    """``make()``; following, a lost or refused connection (Postgres restarting, a failover under way) is tried
+    again with backoff until it works or ``stop`` is set (None then)."""
+    backoff = Backoff(0.5, 5.0)
+    while True:
+        try:
+            return make()
+        except (StoreError, psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            if not follow or (isinstance(exc, StoreError) and not exc.retryable):
+                raise
+            log.warning("export_connect_failed", error=str(exc), tries=backoff.retries + 1)
+        if stop.wait(backoff.delay()):
+            return None
 
 
 def follow_consumer(settings: ExporterSettings, database_url: str, consumer: str, sel: Selection, out_dir: Path,
@@ -185,8 +236,10 @@ def follow_consumer(settings: ExporterSettings, database_url: str, consumer: str
         server.start()
         log.info("export_http", consumer=consumer, port=server.port)
     try:
-        follower = Follower(database_url, consumer, sel, out_dir, fmt, file_type, unit, settings.export_batch_size,
-                            start, metrics)
+        follower = _open_follower(follow, stop, lambda: Follower(
+            database_url, consumer, sel, out_dir, fmt, file_type, unit, settings.export_batch_size, start, metrics))
+        if follower is None:  # stopped while Postgres was unreachable
+            return FollowResult([], 0)
         health.live["reading"] = lambda: time.monotonic() - follower.last_step < settings.export_stall_s
         health.ready = True
         try:

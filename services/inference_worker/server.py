@@ -46,7 +46,7 @@ from nats.aio.subscription import Subscription
 from rollout_ledger.services.inference_worker.engine import Engine, Generation
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
 from rollout_ledger.services.inference_worker.weights import Cut, Weights
-from rollout_ledger.shared.errors import InferenceError, NewerContractError, RolloutError, SchemaError
+from rollout_ledger.shared.errors import BusError, InferenceError, NewerContractError, RolloutError, SchemaError
 from rollout_ledger.shared.events import (
     FinishReason,
     InferenceRequested,
@@ -56,8 +56,10 @@ from rollout_ledger.shared.events import (
     dumps,
     encode,
 )
+from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.publisher import StreamPublisher
+from rollout_ledger.shared.kit.runtime import ticks
 from rollout_ledger.shared.kit.tracing import SpanKind, Tracing
 from rollout_ledger.shared.subjects import (
     INFER_ANY,
@@ -74,6 +76,11 @@ log = get_logger(__name__)
 
 OVERLOADED = "Overloaded"
 """Error class of the immediate reply when the worker is at ``max_inflight``."""
+
+PUBLISH_RETRY_S = 6.0
+"""How long a turn's publish is tried again while RL_EVENTS elects a leader (~5 s after a node's loss) before the
+requester gets a retryable error reply (and asks another worker): shorter than ``bus.RETRY_FOR_S``, the requester is
+waiting. After a reconnect of this worker the publish goes on for ``bus.RETRY_FOR_S`` (``InferenceServer._store``)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,7 @@ class InferenceServer:
         self.nc = nc
         self.tracing = tracing if tracing is not None else Tracing.off()
         """Generation spans, children of the requesting turn (off: none)."""
-        self.publisher = StreamPublisher(nc, tracing=self.tracing)
+        self.publisher = StreamPublisher(nc, tracing=self.tracing, retry_for_s=PUBLISH_RETRY_S)
         self.engine = engine
         self.identity = identity
         self.weights = weights if weights is not None else Weights(engine, identity.weight_version)
@@ -166,6 +173,9 @@ class InferenceServer:
             "draining": self.draining,
             "time": time.time(),
             "every_s": self.identity.heartbeat_s,
+            # a reconnect (to another node of a cluster) makes that node refuse replies to requests taken before:
+            # requesters look their turns up on RL_EVENTS instead (env_worker/inference_client.py)
+            "reconnects": int(self.nc.stats.get("reconnects", 0)),
         }
 
     async def heartbeat(self) -> None:
@@ -175,11 +185,8 @@ class InferenceServer:
             await self.nc.publish(INFER_HEARTBEAT, dumps(self.heartbeat_payload()))
 
     async def _heartbeat_loop(self) -> None:
-        while not self._stopped.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), timeout=self.identity.heartbeat_s)
-            if not self._stopped.is_set():
-                await self.heartbeat()
+        async for _ in ticks(self._stopped, self.identity.heartbeat_s, at_once=False):  # the first went out at start
+            await self.heartbeat()
 
     async def drain(self, timeout_s: float) -> None:
         """Announce draining, stop taking requests, finish in-flight ones within ``timeout_s``, abort the rest."""
@@ -233,6 +240,24 @@ class InferenceServer:
         self._tasks.discard(task)
         self.metrics.inflight.set(len(self._tasks))
 
+    def _reconnects(self) -> int:
+        return int(self.nc.stats.get("reconnects", 0))
+
+    async def _store(self, event: TurnGenerated, data: bytes, reconnects: int) -> None:
+        """Publish the turn and await the stream's ack (tried again for ``PUBLISH_RETRY_S``). When this worker
+        reconnected since the request came (to another node of a cluster), its reply would be refused: the requester
+        reads the turn from RL_EVENTS instead (inference_client.py), so the publish goes on for ``bus.RETRY_FOR_S``
+        rather than end in an error reply nobody receives."""
+        deadline = time.monotonic() + bus.RETRY_FOR_S
+        while True:
+            try:
+                await self.publisher.publish(event.type, event.event_id, data)
+                return
+            except BusError as exc:
+                if not exc.retryable or self._reconnects() == reconnects or time.monotonic() >= deadline:
+                    raise
+                log.info("inference.publish_retry_after_reconnect", request_id=event.request_id, error=str(exc))
+
     async def _reply_error(self, msg: Msg, error_class: str, retryable: bool, message: str) -> None:
         with contextlib.suppress(Exception):
             await self.nc.publish(msg.reply, message.encode(), headers=error_headers(error_class, retryable))
@@ -274,6 +299,7 @@ class InferenceServer:
 
     async def _generate_and_publish(self, msg: Msg, request: InferenceRequested, received: float) -> None:
         metrics = self.metrics
+        reconnects = self._reconnects()  # this connection received the request: only it may answer it
         piece: Generation | None = None
         kept = _Kept()  # what generations cut by swaps in mode keep had sampled, with their versions
         started = time.perf_counter()
@@ -347,7 +373,7 @@ class InferenceServer:
         data = encode(event)
         try:
             if request.record and self.identity.is_policy:
-                await self.publisher.publish(event.type, event.event_id, data)
+                await self._store(event, data, reconnects)
             else:
                 metrics.unrecorded.inc()  # an env's own generation (a simulated user): answered, not a policy turn
         except RolloutError as exc:

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from rollout_ledger.services.inference_worker.checkpoints import WeightsRefused
 from rollout_ledger.services.inference_worker.engine import Engine
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.kit.policy_bus import PolicyBus, ReportMirror, every
+from rollout_ledger.shared.kit.policy_bus import PolicyBus, ReportMirror
+from rollout_ledger.shared.kit.runtime import ticks
 from rollout_ledger.shared.policy import (
     EnvPolicyReport,
     PolicyAnnouncement,
@@ -315,4 +316,5 @@ class PolicyFollower:
             await self.bus.put(POLICY_WORKERS_BUCKET, self.worker_id, report or self.current_report())
 
     async def _report_forever(self) -> None:
-        await every(self.report_s, self._stopped, self.report)
+        async for _ in ticks(self._stopped, self.report_s, at_once=False):  # the first report went out at start
+            await self.report()

@@ -30,7 +30,8 @@ from rollout_ledger.shared.events import EpisodeFailed, EpisodeRequested, Failur
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.backoff import Backoff
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.kit.runtime import Shutdown, sleep_or_shutdown
+from rollout_ledger.shared.kit.publisher import Producer
+from rollout_ledger.shared.kit.runtime import Shutdown, sleep_or_stop
 from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.subjects import (
     DEAD_LETTER_MAX_PAYLOAD,
@@ -72,6 +73,35 @@ _MAX_DELIVERIES = 1_000_000
 """An advisory counting more deliveries than this is not NATS's (``max_deliver`` is a handful)."""
 
 
+class Puller:
+    """Fetches of one consumer loop that ride out a NATS outage: a ``BusError`` (the stream's leader being elected
+    answers 503, a node gone makes the client reconnect) is logged and fetched again after a pause (0.1 s doubling to
+    1 s), never raised: the loop must outlive an election. The pull stays bound to its durable consumer,
+    which the cluster keeps (its replicas follow the stream's) and serves again from its new leader."""
+
+    def __init__(self, psub: JetStreamContext.PullSubscription, settings: RecorderSettings, shutdown: Shutdown,
+                 what: str) -> None:
+        self.psub = psub
+        self.settings = settings
+        self.shutdown = shutdown
+        self.what = what
+        # a failed fetch costs the server little: capped at 1 s, so the loop is back within ~1 s of the new leader
+        self.backoff = Backoff(min(0.1, settings.retry_initial_s), min(1.0, settings.retry_max_s), jitter=0.5)
+
+    async def fetch(self, batch: int) -> list[Msg]:
+        """Up to ``batch`` messages; none on a timeout, or after the pause of a failure."""
+        try:
+            msgs = await bus.fetch(self.psub, batch, self.settings.fetch_timeout_s)
+        except BusError as exc:
+            pause = self.backoff.delay()
+            log.warning("recorder.fetch_failed", consumer=self.what, error=str(exc), retryable=exc.retryable,
+                        pause_s=round(pause, 3))
+            await sleep_or_stop(self.shutdown, pause)
+            return []
+        self.backoff.retries = 0
+        return msgs
+
+
 def to_delivery(msg: Msg) -> Delivery:
     """Decode a fetched message; a payload that is not a valid event becomes a delivery with ``error`` set."""
     meta = msg.metadata
@@ -106,8 +136,9 @@ class EventConsumer:
 
     async def run(self) -> None:
         """Until shutdown: fetch, write, ack. The batch in hand is always finished first."""
+        pull = Puller(self.psub, self.settings, self.shutdown, "events")
         while not self.shutdown.requested:
-            msgs = await bus.fetch(self.psub, self.settings.batch_size, self.settings.fetch_timeout_s)
+            msgs = await pull.fetch(self.settings.batch_size)
             if msgs:
                 await self.handle(msgs)
 
@@ -166,7 +197,7 @@ class EventConsumer:
                         raise
                     await asyncio.sleep(delay)
                 else:
-                    await sleep_or_shutdown(self.shutdown, delay)
+                    await sleep_or_stop(self.shutdown, delay)
                 continue
             self.on_store(True)
             return result
@@ -238,7 +269,8 @@ async def settle_with_retry(settings: RecorderSettings, shutdown: Shutdown, msgs
     while True:
         try:
             async with bus.keep_in_progress(msgs, max(0.5, settings.ack_wait_s / 3)):
-                await handle()
+                with bus.bus_errors(what.replace("_", " ")):
+                    await handle()
             return
         except (StoreError, BusError) as exc:
             if not exc.retryable or shutdown.requested:
@@ -246,7 +278,7 @@ async def settle_with_retry(settings: RecorderSettings, shutdown: Shutdown, msgs
                 return
             delay = backoff.delay()
             log.warning(f"recorder.{what}_retry", delay_s=delay, error=str(exc))
-            await sleep_or_shutdown(shutdown, delay)
+            await sleep_or_stop(shutdown, delay)
 
 
 class AdvisoryConsumer:
@@ -261,18 +293,21 @@ class AdvisoryConsumer:
     no service user may publish on ``$JS.EVENT.>``.)
     """
 
-    def __init__(self, settings: RecorderSettings, store: Store, js: JetStreamContext,
+    def __init__(self, settings: RecorderSettings, store: Store, js: JetStreamContext, producer: Producer,
                  psub: JetStreamContext.PullSubscription, metrics: RecorderMetrics, shutdown: Shutdown) -> None:
         self.settings = settings
         self.store = store
         self.js = js
+        self.producer = producer
+        """Publishes the episode failures of spent work items (the service's one ``StreamPublisher``)."""
         self.psub = psub
         self.metrics = metrics
         self.shutdown = shutdown
 
     async def run(self) -> None:
+        pull = Puller(self.psub, self.settings, self.shutdown, "advisories")
         while not self.shutdown.requested:
-            msgs = await bus.fetch(self.psub, self.settings.advisory_batch_size, self.settings.fetch_timeout_s)
+            msgs = await pull.fetch(self.settings.advisory_batch_size)
             for msg in msgs:
                 await self._with_retry(msg)
 
@@ -372,7 +407,7 @@ class AdvisoryConsumer:
                 attempt=max(1, deliveries), seq=1, produced_by=f"recorder/{self.settings.worker_id}",
                 failure_class=FailureClass.INFRA, reason=reason, num_turns=0, retryable=False,
             )
-            await bus.publish_event(self.js, failed)
+            await self.producer.publish_event(failed)
             log.warning("recorder.episode_infra_failed", episode_id=item.episode_id, deliveries=deliveries)
         try:
             await self.js.delete_msg(stream, seq)
@@ -404,8 +439,9 @@ class DeadLetterConsumer:
         self.shutdown = shutdown
 
     async def run(self) -> None:
+        pull = Puller(self.psub, self.settings, self.shutdown, "dead letters")
         while not self.shutdown.requested:
-            msgs = await bus.fetch(self.psub, self.settings.advisory_batch_size, self.settings.fetch_timeout_s)
+            msgs = await pull.fetch(self.settings.advisory_batch_size)
             if msgs:
                 await self._with_retry(msgs)
 

@@ -11,9 +11,10 @@ from rollout_ledger.shared.db import create_engine
 from rollout_ledger.shared.errors import StoreError
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.backoff import Backoff
-from rollout_ledger.shared.kit.logging import configure_logging, get_logger
-from rollout_ledger.shared.kit.runtime import Health, HttpServer, Shutdown, ops_app, sleep_or_shutdown
-from rollout_ledger.shared.kit.tracing import setup_tracing
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.publisher import StreamPublisher
+from rollout_ledger.shared.kit.runtime import Health, Shutdown, sleep_or_stop, ticks
+from rollout_ledger.shared.kit.service import ServiceScope, run_main
 from rollout_ledger.shared.subjects import (
     ADVISORY_CONSUMER,
     ADVISORY_STREAM,
@@ -33,6 +34,8 @@ from .settings import RecorderSettings
 from .store import Store
 
 log = get_logger(__name__)
+
+SERVICE = "recorder"
 
 
 def advisory_consumer_spec(ack_wait_s: float) -> ConsumerSpec:
@@ -71,17 +74,16 @@ async def _wait_for_store(store: Store, settings: RecorderSettings, shutdown: Sh
         except StoreError as exc:
             delay = backoff.delay()
             log.warning("recorder.store_unreachable", delay_s=delay, error=str(exc))
-            await sleep_or_shutdown(shutdown, delay)
+            await sleep_or_stop(shutdown, delay)
     return False
 
 
 async def _poll_pending(psub: JetStreamContext.PullSubscription, metrics: RecorderMetrics, settings: RecorderSettings,
                         shutdown: Shutdown) -> None:
-    while not shutdown.requested:
+    async for _ in ticks(shutdown, settings.pending_poll_s):
         with contextlib.suppress(Exception):
             info = await psub.consumer_info()
             metrics.pending.set(info.num_pending or 0)
-        await sleep_or_shutdown(shutdown, settings.pending_poll_s)
 
 
 async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
@@ -93,39 +95,37 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
     def on_store(ok: bool) -> None:
         store_ok["ok"] = ok
 
-    http = HttpServer(ops_app("recorder", health, metrics.registry), settings.http_host, settings.http_port)
-    await http.start()
-    log.info("recorder.http", port=http.port)
-    store = Store(create_engine(settings.database_url, pool_size=settings.db_pool_size))
-    nc: bus.NATS | None = None
-    subs: list[JetStreamContext.PullSubscription] = []
-    tracing = setup_tracing(settings, "recorder")  # off unless a collector is configured (ROLLOUT_TRACING_ENDPOINT)
-    try:
+    async with ServiceScope(SERVICE, settings, health, metrics.registry) as scope:
+        log.info("recorder.http", port=scope.http.port)
+        store = Store(create_engine(settings.database_url, pool_size=settings.db_pool_size))
+        scope.on_close(store.dispose)
         if not await _wait_for_store(store, settings, shutdown):
             return
         on_store(True)
-        nc = await bus.connect(settings.nats_url, name=f"recorder-{settings.worker_id}",
-                               connect_timeout_s=settings.nats_connect_timeout_s)
+        nc = await scope.connect()
         js = nc.jetstream()
-        await bus.ensure_topology(js, settings.stream_replicas)
         await bus.ensure_consumer(js, bus.recorder_consumer_spec(settings.ack_wait_s, settings.max_ack_pending))
         await bus.ensure_consumer(js, advisory_consumer_spec(settings.ack_wait_s))
         await bus.ensure_consumer(js, dead_letter_consumer_spec(settings.ack_wait_s))
+        subs: list[JetStreamContext.PullSubscription] = []
+        scope.on_close(_unsubscribe, subs)
         events_sub = await js.pull_subscribe_bind(RECORDER_CONSUMER, EVENTS_STREAM)
         advisory_sub = await js.pull_subscribe_bind(ADVISORY_CONSUMER, ADVISORY_STREAM)
         dead_sub = await js.pull_subscribe_bind(DEAD_LETTER_CONSUMER, DEAD_LETTER_STREAM)
         subs += [events_sub, advisory_sub, dead_sub]
 
-        conn = nc
-        health.checks["nats"] = lambda: conn.is_connected
         health.checks["store"] = lambda: store_ok["ok"]
         responder = ResumeResponder(store, nc)
         await responder.start()
+        scope.on_close(responder.stop)
+        producer = StreamPublisher(nc, tracing=scope.tracing, retry_for_s=bus.RETRY_FOR_S)
+        await producer.start()
+        scope.on_close(producer.stop)
         health.ready = True
         log.info("recorder.ready", batch_size=settings.batch_size)
 
-        events = EventConsumer(settings, store, nc, events_sub, metrics, shutdown, on_store, tracing)
-        advisories = AdvisoryConsumer(settings, store, js, advisory_sub, metrics, shutdown)
+        events = EventConsumer(settings, store, nc, events_sub, metrics, shutdown, on_store, scope.tracing)
+        advisories = AdvisoryConsumer(settings, store, js, producer, advisory_sub, metrics, shutdown)
         rejected = DeadLetterConsumer(settings, store, dead_sub, metrics, shutdown)
         tasks = [asyncio.create_task(events.run(), name="recorder-events"),
                  asyncio.create_task(advisories.run(), name="recorder-advisories"),
@@ -141,26 +141,14 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
                 if not task.done():
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await responder.stop()
         log.info("recorder.drained")
-    finally:
-        health.draining = True
-        for sub in subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        await bus.close(nc)
-        await store.dispose()
-        await http.stop()
-        await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered
 
 
-async def _amain(settings: RecorderSettings) -> None:
-    shutdown = Shutdown()
-    shutdown.install()
-    await run(settings, shutdown)
+async def _unsubscribe(subs: list[JetStreamContext.PullSubscription]) -> None:
+    for sub in subs:
+        with contextlib.suppress(Exception):  # best effort: the connection closes next
+            await sub.unsubscribe()
 
 
 def main() -> None:
-    settings = RecorderSettings()
-    configure_logging(settings.log_level, settings.log_format, service="recorder")
-    asyncio.run(_amain(settings))
+    run_main(SERVICE, RecorderSettings, run)

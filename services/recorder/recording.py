@@ -189,6 +189,10 @@ async def record_batch(tx: Tx, batch: list[Delivery], assembly_max_deliveries: i
             terminals.append((i, ev))
             changed.add(ev.episode_id)
 
+    # Every episode row this transaction will update, locked at once in id order: the started updates and the
+    # terminal rounds below would otherwise lock them in two passes, and two recorders (or a recorder and a
+    # scheduler stamping published_at) could each hold what the other waits for.
+    await tx.lock_episodes(sorted(changed))
     await tx.add_dead_letters(letters)
     out.failures += await tx.add_attempt_failures(
         [_failure_row(ev) for _, ev in terminals if isinstance(ev, EpisodeFailed)])

@@ -4,11 +4,13 @@ Each table written by binary COPY is declared once (``CopyTable``: every column 
 value comes from, in order); the COPY column list, psycopg's ``Copy.set_types`` and each ``write_row`` tuple all
 come from that declaration. Arrays go through the numpy dumpers of ``adapters`` (registered on every connection).
 Turns and steps are COPY'd straight into their tables inside a savepoint and only a duplicate event id (a
-redelivery or replay) takes the staging table + ``ON CONFLICT DO NOTHING`` path.
+redelivery or replay) takes the staging table + ``ON CONFLICT DO NOTHING`` path (on ``(event_id, produced_at)``:
+both tables are partitioned by the event's ``produced_at``, which a redelivery repeats).
 
 ``Store.transaction()`` opens a transaction on a pooled connection and hands out a ``Tx`` whose methods are the
 only SQL the recorder runs. Driver errors are translated into ``StoreError`` at this boundary: connection loss,
-server restarts, deadlocks and serialisation failures are ``retryable``; data and integrity errors are not.
+server restarts, a server turned read-only (its connection is dropped: the retry reconnects through the multi-host
+DSN to the new primary), deadlocks and serialisation failures are ``retryable``; data and integrity errors are not.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sqlalchemy.exc
 from psycopg.types.json import Jsonb
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from rollout_ledger.shared.db import check_schema
+from rollout_ledger.shared.db import check_schema, stale_connection
 from rollout_ledger.shared.errors import StoreError
 from rollout_ledger.shared.events import EpisodeStarted, StepCompleted, TurnGenerated
 from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus, allowed_sources
@@ -129,8 +131,8 @@ def classify(exc: BaseException) -> StoreError:
         orig = exc.orig
     retryable = isinstance(orig, (psycopg.OperationalError, psycopg.InterfaceError, OSError, TimeoutError,
                                   sqlalchemy.exc.TimeoutError, sqlalchemy.exc.DisconnectionError))
-    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
-        retryable = True
+    if (isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated) or stale_connection(orig):
+        retryable = True  # a new connection (the multi-host DSN's writable host) can take the write
     return StoreError(f"{type(orig).__name__}: {str(orig).strip()[:500]}", retryable=retryable)
 
 
@@ -145,6 +147,8 @@ class EpisodeRow:
     status: EpisodeStatus
     attempt: int
     prompt_token_ids: np.ndarray | None
+    created_at: datetime
+    """When the scheduler stored it: its trajectory's partition key (``trajectories.episode_created_at``)."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ def _sampled_logprobs_le(w: TrajectoryWrite) -> bytes:
 
 TRAJECTORIES: CopyTable[TrajectoryWrite] = CopyTable("trajectories", (
     ("episode_id", "varchar", "ep.id"),
+    ("episode_created_at", "timestamptz", "ep.created_at"),
     ("batch_id", "varchar", "ep.batch_id"),
     ("group_id", "varchar", "ep.group_id"),
     ("env", "varchar", "ep.env"),
@@ -251,12 +256,12 @@ TRAJECTORIES: CopyTable[TrajectoryWrite] = CopyTable("trajectories", (
     ("action_versions", "int4[]", _action_versions),
 ))
 
-_TRAJECTORY_KEPT = ("episode_id", "batch_id", "group_id", "env")
+_TRAJECTORY_KEPT = ("episode_id", "episode_created_at", "batch_id", "group_id", "env")
 """Columns an existing trajectory keeps when a higher attempt replaces it (every other one is replaced)."""
 
-_UPSERT_TRAJECTORIES = (
+_UPSERT_TRAJECTORIES = (  # the key carries the partition key (migration 0018; 0017's unique index before it)
     f"INSERT INTO trajectories ({TRAJECTORIES.collist}) SELECT {TRAJECTORIES.collist} FROM rl_stage_trajectories "
-    "ON CONFLICT (episode_id) DO UPDATE SET "
+    "ON CONFLICT (episode_id, episode_created_at) DO UPDATE SET "
     + "".join(f"{c} = excluded.{c}, " for c in TRAJECTORIES.names if c not in _TRAJECTORY_KEPT)
     + "created_at = now() WHERE trajectories.attempt < excluded.attempt"
 )
@@ -351,7 +356,8 @@ class Tx:
         async with self.pg.cursor() as cur:
             await cur.executemany(
                 "UPDATE episodes SET status = 'running', attempt = %s, worker_id = %s, "
-                "started_at = %s, prompt_token_ids = %b, prompt_text = %s, updated_at = now() "
+                "started_at = %s, prompt_token_ids = %b, prompt_text = %s, updated_at = now(), "
+                "published_at = COALESCE(published_at, now()) "  # it started: it was published (store.mark_published)
                 "WHERE id = %s AND status = ANY(%s) AND attempt <= %s",
                 params,
             )
@@ -402,8 +408,9 @@ class Tx:
             f"SELECT {collist} FROM {table.name} WITH NO DATA"
         )
         await cls._copy(cur, table, stage, rows)
+        # the key includes the partition key (migration 0016): a redelivered event has the same produced_at
         await cur.execute(f"INSERT INTO {table.name} ({collist}) SELECT {collist} FROM {stage} "
-                          "ON CONFLICT (event_id) DO NOTHING")
+                          "ON CONFLICT (event_id, produced_at) DO NOTHING")
         await cur.execute(f"DELETE FROM {stage}")
 
     async def insert_turns(self, events: Sequence[TurnGenerated]) -> None:
@@ -426,15 +433,17 @@ class Tx:
         return {r[0]: EpisodeOwner(r[1], bool(r[2])) for r in rows}
 
     async def lock_episodes(self, episode_ids: Sequence[str]) -> dict[str, EpisodeRow]:
-        """The episode rows of these ids, locked FOR UPDATE (in id order, so concurrent recorders never deadlock)."""
+        """The episode rows of these ids, locked FOR NO KEY UPDATE in id order, so concurrent recorders never
+        deadlock: no key is updated, and the weaker lock leaves the foreign-key checks of turn and step inserts
+        (FOR KEY SHARE of their episode) unblocked; FOR UPDATE would make them a second lock order."""
         if not episode_ids:
             return {}
         async with self.pg.cursor(binary=True) as cur:
             await cur.execute(
-                "SELECT id, batch_id, group_id, env, status, attempt, prompt_token_ids FROM episodes "
-                "WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (sorted(set(episode_ids)),))
+                "SELECT id, batch_id, group_id, env, status, attempt, prompt_token_ids, created_at FROM episodes "
+                "WHERE id = ANY(%s) ORDER BY id FOR NO KEY UPDATE", (sorted(set(episode_ids)),))
             rows = await cur.fetchall()
-        return {r[0]: EpisodeRow(r[0], r[1], r[2], r[3], EpisodeStatus(r[4]), int(r[5]), r[6]) for r in rows}
+        return {r[0]: EpisodeRow(r[0], r[1], r[2], r[3], EpisodeStatus(r[4]), int(r[5]), r[6], r[7]) for r in rows}
 
     async def attempt_records(
         self, wanted: Sequence[tuple[str, int, int]]
@@ -580,7 +589,12 @@ class Store:
                 if pg not in self._adapted:
                     adapters.register(pg)
                     self._adapted.add(pg)
-                yield Tx(pg)
+                try:
+                    yield Tx(pg)
+                except psycopg.Error as exc:
+                    if stale_connection(exc):  # the server turned read-only: never hand this connection out again
+                        await conn.invalidate()
+                    raise
         except StoreError:
             raise
         except (sqlalchemy.exc.SQLAlchemyError, psycopg.Error, OSError) as exc:

@@ -41,14 +41,15 @@ from nats.js.kv import KeyValue
 from sqlalchemy import and_, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rollout_ledger.services.scheduler import store
+from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
-from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode
-from rollout_ledger.services.scheduler.policy import worker_reports
+from rollout_ledger.services.scheduler.policy_registry import worker_reports
+from rollout_ledger.services.scheduler.work_items import WorkItemPublisher
 from rollout_ledger.shared.db import episodes
 from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.events import ContextPolicy, SamplingParams
+from rollout_ledger.shared.kit.bus import bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import parse_announcement
 from rollout_ledger.shared.lifecycle import EpisodeStatus, allowed_sources
@@ -130,12 +131,11 @@ def decide(bound: Bound, versions: Versions, admitted: int, waiting: int) -> Dec
 
 async def read_versions(policy_kv: KeyValue, workers_kv: KeyValue, js: JetStreamContext) -> Versions:
     """The announced version and the live workers' reports, from the bus (``BusError`` when unreadable)."""
-    try:
-        entry = await policy_kv.get(POLICY_KEY)
-    except KeyNotFoundError:
-        entry = None
-    except Exception as exc:  # nats-py timeouts and connection errors share no base class
-        raise BusError(f"cannot read the announced policy version: {exc}") from exc
+    with bus_errors("read the announced policy version"):
+        try:
+            entry = await policy_kv.get(POLICY_KEY)
+        except KeyNotFoundError:
+            entry = None
     announcement = parse_announcement(entry.value if entry is not None else None)
     return Versions.of(announcement.version if announcement else None, await worker_reports(workers_kv, js))
 
@@ -181,7 +181,7 @@ async def admit_batch(conn: AsyncConnection, batch_id: str,
     """In the caller's transaction, under the batch's lock: move the episodes the rule admits to ``requested``
     (whole groups, task order), stamping ``admitted_version``; returns them and the batch's run spec."""
     await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": _LOCK + batch_id})
-    batch = await store.get_batch(conn, batch_id)
+    batch = await batch_store.get_batch(conn, batch_id)
     if batch is None or batch["cancelled_at"] is not None:
         return [], None
     bound = bound_of(batch)
@@ -223,7 +223,7 @@ async def waiting_by_batch(conn: AsyncConnection) -> dict[str, int]:
 class Admission:
     """Runs admission passes (see the module docstring) and publishes what they admit."""
 
-    def __init__(self, engine: AsyncEngine, publisher: Publisher, policy_kv: KeyValue, workers_kv: KeyValue,
+    def __init__(self, engine: AsyncEngine, publisher: WorkItemPublisher, policy_kv: KeyValue, workers_kv: KeyValue,
                  metrics: SchedulerMetrics, *, interval_s: float) -> None:
         self.engine = engine
         self.publisher = publisher
@@ -256,14 +256,14 @@ class Admission:
             versions = await self.versions()
             waiting: int | None = None
             if batch_ids is None:
-                with store.store_errors("finding batches with waiting episodes"):
+                with batch_store.store_errors("finding batches with waiting episodes"):
                     async with self.engine.connect() as conn:
                         by_batch = await waiting_by_batch(conn)
                 batch_ids = list(by_batch)
                 waiting = sum(by_batch.values())
             total = 0
             for batch_id in batch_ids:
-                with store.store_errors(f"admitting episodes of batch {batch_id}"):
+                with batch_store.store_errors(f"admitting episodes of batch {batch_id}"):
                     async with self.engine.begin() as conn:
                         planned, spec = await admit_batch(conn, batch_id, versions)
                 if not planned or spec is None:
@@ -278,6 +278,7 @@ class Admission:
                 self._gauge_waiting(max(0, waiting - total), admitted=total > 0)
             elif total > 0:
                 self._progress_at = time.monotonic()
+            self.metrics.admission_passes.inc()
             return total
 
     def _gauge_waiting(self, left: int, *, admitted: bool) -> None:

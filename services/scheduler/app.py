@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rollout_ledger.services.scheduler import policy, queue_gauges
+from rollout_ledger.services.scheduler import policy_registry, queue_gauges
 from rollout_ledger.services.scheduler.admission import Admission
 from rollout_ledger.services.scheduler.api import batches, episodes
 from rollout_ledger.services.scheduler.api import envs as envs_api
@@ -27,17 +27,18 @@ from rollout_ledger.services.scheduler.api.errors import (
 from rollout_ledger.services.scheduler.api.guard import BodyGuard
 from rollout_ledger.services.scheduler.api.openapi import behaving_schema
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics, create_metrics
-from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.state import Resources, SchedulerState
 from rollout_ledger.services.scheduler.trajectory_view import TokenizerCache
 from rollout_ledger.services.scheduler.viewer import routes as viewer_api
 from rollout_ledger.services.scheduler.viewer.pages import mount_viewer
+from rollout_ledger.services.scheduler.work_items import WorkItemPublisher
 from rollout_ledger.shared.db import check_schema, create_engine
 from rollout_ledger.shared.deploy import METRICS_PATH
 from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.kit.runtime import Health, ops_app
 from rollout_ledger.shared.kit.tracing import setup_tracing
 from rollout_ledger.shared.subjects import (
@@ -86,7 +87,9 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
             await engine.dispose()
         raise
     tracing = setup_tracing(settings, SERVICE)  # off unless a collector is configured (ROLLOUT_TRACING_ENDPOINT)
-    publisher = Publisher(js, engine, settings, state.metrics, tracing)
+    producer = StreamPublisher(nc, settings.publish_timeout_s)  # work items carry their own root span's context
+    await producer.start()
+    publisher = WorkItemPublisher(js, producer, engine, settings, state.metrics, tracing)
     admission = Admission(engine, publisher, policy_kv, policy_workers_kv, state.metrics,
                           interval_s=settings.admission_interval_s)
     state.resources = Resources(nc, js, engine, envs_kv, cancel_kv, publisher, policy_kv, policy_workers_kv,
@@ -100,7 +103,7 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
 
     stop = asyncio.Event()
     outbox = asyncio.create_task(publisher.run_outbox(stop, _on_pass), name="scheduler-outbox")
-    mirror = asyncio.create_task(policy.run_mirror(policy_workers_kv, engine, stop, on_report=admission.nudge),
+    mirror = asyncio.create_task(policy_registry.run_mirror(policy_workers_kv, engine, stop, on_report=admission.nudge),
                                  name="scheduler-policy-mirror")
     admitting = asyncio.create_task(admission.run(stop), name="scheduler-admission")
     gauging = asyncio.create_task(queue_gauges.run(state.metrics, js, env_workers_kv, stop),
@@ -120,6 +123,7 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
             except Exception as exc:  # the mirror's failure must not hide the outbox's clean stop
                 log.warning("scheduler.task_failed", task=task.get_name(), error=str(exc))
         state.resources = None
+        await producer.stop()
         await bus.close(nc)
         await engine.dispose()
         await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered

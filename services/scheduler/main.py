@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
-
-from pydantic import ValidationError
-
 from rollout_ledger.services.scheduler.app import SERVICE, create_app, scheduler_lifespan
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.state import SchedulerState
 from rollout_ledger.shared.errors import RolloutError
-from rollout_ledger.shared.kit.logging import configure_logging, get_logger
+from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import HttpServer, Shutdown
+from rollout_ledger.shared.kit.service import run_main
 
 log = get_logger(__name__)
 
 
 async def run(settings: SchedulerSettings, shutdown: Shutdown) -> int:
-    """Serve until SIGTERM/SIGINT, then stop taking requests, finish those in flight and close; the exit code."""
-    shutdown.install()
+    """Serve until SIGTERM/SIGINT, then stop taking requests, finish those in flight and close; the exit code. (The
+    API and the ops routes share one server: the app is not a ``ServiceScope``'s ops app; ``scheduler_lifespan``
+    opens NATS and Postgres.)"""
     app = create_app(settings, with_lifespan=False)
     state: SchedulerState = app.state.scheduler
     try:
@@ -41,13 +38,5 @@ async def run(settings: SchedulerSettings, shutdown: Shutdown) -> int:
 
 
 def main() -> None:
-    """Read settings from the environment, configure logging, run the scheduler."""
-    try:
-        settings = SchedulerSettings()
-    except ValidationError as exc:
-        configure_logging(service=SERVICE)
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())  # no input values
-        log.error("scheduler.bad_settings", error=problems)
-        sys.exit(2)
-    configure_logging(settings.log_level, settings.log_format, service=SERVICE)
-    sys.exit(asyncio.run(run(settings, Shutdown())))
+    """Read settings from the environment (exit 2 naming a bad one), configure logging, run the scheduler."""
+    run_main(SERVICE, SchedulerSettings, run)

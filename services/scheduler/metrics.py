@@ -18,6 +18,8 @@ class SchedulerMetrics:
     episodes_republished: Counter
     publish_failures: Counter
     episodes_admitted: Counter
+    admission_passes: Counter
+    """Admission passes this scheduler ran (each under the per-batch locks shared with the other replicas)."""
     http_requests: Counter
     http_latency: Histogram
     policy_announced: Gauge
@@ -59,6 +61,9 @@ def create_metrics() -> SchedulerMetrics:
         ),
         episodes_admitted=Counter(
             "rollout_episodes_admitted", "Waiting episodes admission let start (bounded batches)", registry=registry
+        ),
+        admission_passes=Counter(
+            "rollout_admission_passes", "Admission passes run by this scheduler (admitting or not)", registry=registry
         ),
         http_requests=Counter(
             "rollout_http_requests", "HTTP requests by route and status", ["method", "route", "status"],

@@ -98,6 +98,14 @@ class BatchRunSpec:
     sampling: SamplingParams
     context: ContextPolicy | None = None
 
+    @classmethod
+    def of(cls, body: BatchCreate) -> BatchRunSpec:
+        """The spec of a batch request: its sampling and context as the bus models of the same values (the request
+        models are strict about fields; the bus models tolerate a newer producer's, docs/architecture.md)."""
+        context = ContextPolicy.model_validate(body.context.model_dump()) if body.context is not None else None
+        return cls(body.env, body.group_size, body.max_turns, SamplingParams.model_validate(body.sampling.model_dump()),
+                   context)
+
 
 def work_item(ep: PlannedEpisode, spec: BatchRunSpec, produced_by: str) -> EpisodeRequested:
     """The ``EpisodeRequested`` work item of an episode (attempt 1, seq 0; the delivery count sets the attempt)."""

@@ -9,16 +9,17 @@ read per work item. Every scheduler replica reads the same values: dashboards an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from rollout_ledger.services.scheduler.envs import live_workers
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
+from rollout_ledger.services.scheduler.routing import live_workers
 from rollout_ledger.shared.errors import BusError
+from rollout_ledger.shared.kit.bus import bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.runtime import ticks
 from rollout_ledger.shared.subjects import (
     WORK_CONSUMER,
     WORK_STREAM,
@@ -61,11 +62,9 @@ async def read_queue(js: JetStreamContext) -> dict[str, RouteQueue]:
     ``waiting`` is the route consumer's ``num_pending`` (items not yet delivered to any worker); a route whose items
     have no consumer yet (no env worker with the route ever started) has all of them waiting. ``unacked`` is the
     consumer's ``num_ack_pending``: episodes running, or held by a worker's policy gate or lease check."""
-    try:
+    with bus_errors("read the work queue's state"):
         info = await js.stream_info(WORK_STREAM, subjects_filter=">")
         consumers = await js.consumers_info(WORK_STREAM)
-    except Exception as exc:  # nats-py timeouts and API errors share no base class
-        raise BusError(f"cannot read the work queue's state: {exc}") from exc
     items: dict[str, int] = {}
     for subject, count in (info.state.subjects or {}).items():
         route = route_of_subject(subject)
@@ -120,10 +119,8 @@ async def refresh(metrics: SchedulerMetrics, js: JetStreamContext, workers_kv: K
 async def run(metrics: SchedulerMetrics, js: JetStreamContext, workers_kv: KeyValue, stop: asyncio.Event,
               interval_s: float = QUEUE_GAUGE_INTERVAL_S) -> None:
     """Until ``stop``: ``refresh`` every ``interval_s``; a failed read keeps the last values and is logged."""
-    while not stop.is_set():
+    async for _ in ticks(stop, interval_s):
         try:
             await refresh(metrics, js, workers_kv)
         except BusError as exc:
             log.warning("scheduler.queue_gauges_failed", error=str(exc))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)

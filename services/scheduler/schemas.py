@@ -48,19 +48,11 @@ class SamplingRequest(NoCoercion, SamplingParams):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def to_event(self) -> SamplingParams:
-        """The bus model of the same values."""
-        return SamplingParams.model_validate(self.model_dump())
-
 
 class ContextRequest(NoCoercion, ContextPolicy):
     """``context`` of a request, strictly (see ``SamplingRequest``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-    def to_event(self) -> ContextPolicy:
-        """The bus model of the same values."""
-        return ContextPolicy.model_validate(self.model_dump())
 
 
 class BatchBase(NoCoercion):

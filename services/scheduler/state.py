@@ -9,9 +9,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rollout_ledger.services.scheduler.admission import Admission
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
-from rollout_ledger.services.scheduler.outbox import Publisher
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.trajectory_view import TokenizerCache
+from rollout_ledger.services.scheduler.work_items import WorkItemPublisher
 from rollout_ledger.shared.kit.bus import NATS, JetStreamContext
 from rollout_ledger.shared.kit.runtime import Health
 
@@ -25,7 +25,7 @@ class Resources:
     engine: AsyncEngine
     envs_kv: KeyValue
     cancel_kv: KeyValue
-    publisher: Publisher
+    publisher: WorkItemPublisher
     policy_kv: KeyValue
     """``rl_policy``: the announced policy version."""
     policy_workers_kv: KeyValue

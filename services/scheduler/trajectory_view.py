@@ -9,45 +9,45 @@ from typing import Literal
 
 from rollout_ledger.shared.kit.chat import ChatTokenizer, ModelNotFoundError, load_chat_tokenizer
 
-SpanKind = Literal["prompt", "sampled", "observation", "context"]
+ViewSpanKind = Literal["prompt", "sampled", "observation", "context"]
 """``context``: a segment's re-rendered context (the template or a context policy re-rendered the conversation)."""
 
 
 @dataclass(frozen=True)
-class Span:
+class ViewSpan:
     """``[start, end)`` of the token sequence and what produced it."""
 
-    kind: SpanKind
+    kind: ViewSpanKind
     start: int
     end: int
     turn_index: int | None
 
 
 def trajectory_spans(num_tokens: int, prompt_len: int, action_ranges: Sequence[Sequence[int]],
-                     segments: Sequence[Sequence[int]] = ()) -> list[Span]:
+                     segments: Sequence[Sequence[int]] = ()) -> list[ViewSpan]:
     """Split ``[0, num_tokens)`` into the prompt, each sampled span and the observation spans between them.
 
     The tokens after sampled span ``i`` and before span ``i+1`` (or the end) are the observation answering
     turn ``i``; where a segment starts there instead, they are that segment's re-rendered ``context``. Ranges are
     clipped to the sequence so a malformed row still yields a view.
     """
-    spans: list[Span] = []
+    spans: list[ViewSpan] = []
     prompt_end = max(0, min(prompt_len, num_tokens))
-    spans.append(Span("prompt", 0, prompt_end, None))
+    spans.append(ViewSpan("prompt", 0, prompt_end, None))
     starts = {int(seg[0]) for seg in segments if int(seg[0]) > 0}
     pos = prompt_end
     last_turn: int | None = None
 
     def gap(until: int) -> None:
-        kind: SpanKind = "context" if pos in starts else "observation"
-        spans.append(Span(kind, pos, until, last_turn))
+        kind: ViewSpanKind = "context" if pos in starts else "observation"
+        spans.append(ViewSpan(kind, pos, until, last_turn))
 
     for turn, rng in enumerate(action_ranges):
         start = max(pos, min(int(rng[0]), num_tokens))
         end = max(start, min(int(rng[1]), num_tokens))
         if start > pos:
             gap(start)
-        spans.append(Span("sampled", start, end, turn))
+        spans.append(ViewSpan("sampled", start, end, turn))
         pos = end
         last_turn = turn
     if pos < num_tokens:
@@ -76,6 +76,6 @@ class TokenizerCache:
         return self._tokenizer, None
 
 
-def decode_spans(tokenizer: ChatTokenizer, token_ids: Sequence[int], spans: Sequence[Span]) -> list[str]:
+def decode_spans(tokenizer: ChatTokenizer, token_ids: Sequence[int], spans: Sequence[ViewSpan]) -> list[str]:
     """The text of each span (special tokens kept, so template tokens stay visible)."""
     return [tokenizer.decode(token_ids[s.start : s.end]) for s in spans]

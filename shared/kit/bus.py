@@ -1,7 +1,15 @@
-"""Bus helpers: connect with bounded timeouts, declare streams and consumers, publish with dedupe ids, fetch.
+"""Bus helpers: connect with bounded timeouts, declare streams and consumers, fetch and ack (publishing is the
+producer's: publisher.py).
 
 Ack policies are declared as data (``ConsumerSpec`` in subjects.py plus the per-service settings that
 size them); the loops that apply them live in the services.
+
+Failures are turned into ``BusError`` here, the one place that knows nats-py's error types: ``retryable`` is True
+for what passes (a JetStream cluster electing a leader answers 503 ``ServiceUnavailableError`` or no responders, a
+node going away makes requests time out while the client reconnects to another) and False for a refusal that
+another try cannot change (400, 404, an authorization violation). Loops catch ``BusError`` and back off
+(``bus_errors``, ``fetch``); publishes and acks whose every try is idempotent (``Nats-Msg-Id`` dedupe, a repeated
+ack) retry by themselves for ``retry_for_s`` (``ack_sync``; publishes in publisher.py).
 """
 
 from __future__ import annotations
@@ -9,30 +17,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServerError,
+    ServiceUnavailableError,
+)
 
 from rollout_ledger.shared.errors import BusError
-from rollout_ledger.shared.events import EventBase, encode
+from rollout_ledger.shared.kit.backoff import Backoff
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.settings import NatsSecurity
-from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.nats_auth import inbox_prefix
 from rollout_ledger.shared.subjects import (
     BUCKET_HISTORY,
     BUCKET_TTL_S,
     BUCKETS,
     EVENTS_STREAM,
-    MSG_ID_HEADER,
-    PARKED_HEADER,
     RECORDER_CONSUMER,
     STREAMS,
     WORK_CONSUMER,
@@ -46,6 +59,86 @@ from rollout_ledger.shared.subjects import (
 )
 
 log = get_logger(__name__)
+
+_T = TypeVar("_T")
+
+RETRY_FOR_S = 30.0
+"""How long an idempotent publish or ack retries a passing failure by default: a JetStream cluster elects a new
+stream leader within ~5-10 s of a node's loss (measured: docs/benchmarks.md, "NATS cluster")."""
+_RETRY_BASE_S, _RETRY_CAP_S = 0.1, 2.0
+"""Pauses between tries of a passing failure: 0.1 s doubling to 2 s."""
+
+_PASSING = (
+    ServiceUnavailableError,  # 503: the stream or consumer has no leader (an election), or JetStream is not ready
+    ServerError,  # 5xx
+    NoStreamResponseError,  # a publish no stream answered: the stream's leader is being elected
+    nats.errors.NoRespondersError,
+    nats.errors.TimeoutError,  # no answer: a request in flight to a node that went away
+    TimeoutError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.FlushTimeoutError,
+    nats.errors.SlowConsumerError,
+    ConnectionError,
+)
+"""nats-py failures that pass: another try, after a pause, can succeed."""
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether another try of the operation that raised ``exc`` can succeed (a ``BusError`` says so itself).
+
+    Passing: the types of ``_PASSING`` and any JetStream API error of status 5xx or without one. Not passing: 4xx
+    refusals (bad request, not found, a wrong last sequence), a closed or draining connection (this process is
+    stopping), an authorization violation, and anything that is not a NATS failure."""
+    if isinstance(exc, BusError):
+        return exc.retryable
+    if isinstance(exc, _PASSING):
+        return True
+    if isinstance(exc, BadRequestError | NotFoundError):  # whatever their code says (unset when built bare)
+        return False
+    if isinstance(exc, APIError):
+        code = getattr(exc, "code", None)  # unset on an APIError built without arguments
+        return code is None or int(code) >= 500
+    return False
+
+
+def as_bus_error(exc: BaseException, what: str) -> BusError:
+    """``exc`` (raised by nats-py while doing ``what``) as a ``BusError`` saying whether a retry can help."""
+    if isinstance(exc, BusError):
+        return exc
+    detail = str(exc) or "no detail"
+    return BusError(f"{what} failed: {type(exc).__name__}: {detail}", retryable=is_retryable(exc))
+
+
+@contextlib.contextmanager
+def bus_errors(what: str) -> Iterator[None]:
+    """Raise the nats-py failures of the block as ``BusError`` (``as_bus_error``); other exceptions pass as they
+    are. ``with bus_errors("read the work consumer"): info = await js.consumer_info(...)``."""
+    try:
+        yield
+    except BusError:
+        raise
+    except (nats.errors.Error, nats.js.errors.Error, TimeoutError, ConnectionError) as exc:
+        raise as_bus_error(exc, what) from exc
+
+
+async def retrying(op: Callable[[], Awaitable[_T]], what: str, retry_for_s: float = RETRY_FOR_S) -> _T:
+    """Run ``op`` (idempotent: a publish with a ``Nats-Msg-Id``, an ack) until it succeeds, fails for good, or
+    ``retry_for_s`` passed since the first try; a passing failure is retried after a pause of 0.1 s doubling to
+    2 s. Raises ``BusError`` (retryable when the last failure was passing)."""
+    deadline = time.monotonic() + retry_for_s
+    backoff = Backoff(_RETRY_BASE_S, _RETRY_CAP_S, jitter=0.5)
+    while True:
+        try:
+            with bus_errors(what):
+                return await op()
+        except BusError as exc:
+            pause = backoff.delay()
+            if not exc.retryable or time.monotonic() + pause > deadline:
+                raise
+            log.info("nats.retry", what=what, tries=backoff.retries, pause_s=round(pause, 3), error=str(exc))
+            await asyncio.sleep(pause)
 
 
 def _tls_context(security: NatsSecurity) -> ssl.SSLContext | None:
@@ -225,6 +318,8 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
 
 
 async def ensure_buckets(js: JetStreamContext, replicas: int | None = None) -> None:
+    """Create every KV bucket of the contract; an existing bucket of another replica count (made on one server,
+    before the move to a cluster) has its stream scaled to ``replicas``."""
     num_replicas = stream_replicas(replicas)
     for bucket in BUCKETS:
         try:
@@ -234,6 +329,14 @@ async def ensure_buckets(js: JetStreamContext, replicas: int | None = None) -> N
                 await js.create_key_value(js_api.KeyValueConfig(
                     bucket=bucket, history=BUCKET_HISTORY.get(bucket, 1), replicas=num_replicas,
                     ttl=BUCKET_TTL_S.get(bucket)))
+            continue
+        info = await js.stream_info(f"KV_{bucket}")
+        if (info.config.num_replicas or 1) != num_replicas:
+            try:
+                await js.update_stream(replace(info.config, num_replicas=num_replicas))
+            except nats.errors.TimeoutError as exc:  # as in ensure_streams: only the scheduler's user may
+                log.warning("nats.stream_not_updated", stream=f"KV_{bucket}", error=str(exc) or "no answer",
+                            hint="only the scheduler's NATS user may change a stream's configuration")
 
 
 async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> None:
@@ -246,45 +349,32 @@ async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> 
     await ensure_buckets(js, num_replicas)
 
 
-def msg_id_headers(event_id: str) -> dict[str, str]:
-    return {MSG_ID_HEADER: event_id}
-
-
-async def publish_event(
-    js: JetStreamContext,
-    event: EventBase,
-    *,
-    timeout: float = 10.0,  # noqa: ASYNC109 - nats-py's per-request publish timeout
-    route: str | None = None,
-    tracing: Tracing | None = None,
-) -> js_api.PubAck:
-    """Publish one event to its subject with its ``event_id`` as ``Nats-Msg-Id``; await the stream's ack. A work
-    item (``episode.requested``) goes to its env's ``route`` (``work_subject``); without one, to the legacy
-    subject every env worker pulls. With ``tracing`` on, the headers carry the current span's trace context."""
-    event_type = str(event.type)
-    if event_type == "episode.requested":
-        subject = work_subject(route) if route is not None else WORK_SUBJECT
-    else:
-        subject = event_subject(event_type)
-    try:
-        headers = msg_id_headers(str(event.event_id))
-        if tracing is not None:
-            tracing.inject(headers)
-        return await js.publish(subject, encode(event), timeout=timeout, headers=headers)
-    except Exception as exc:
-        raise BusError(f"publish of {event_type} failed: {exc}") from exc
-
-
 async def fetch(
     psub: JetStreamContext.PullSubscription,
     batch: int,
     timeout: float,  # noqa: ASYNC109 - the pull request's expiry inside nats-py
 ) -> list[Msg]:
-    """Fetch up to ``batch`` messages, waiting at most ``timeout``; an empty list on timeout."""
+    """Fetch up to ``batch`` messages, waiting at most ``timeout``; an empty list on timeout. Any other failure is a
+    ``BusError``: retryable while the consumer's stream elects a leader (503) or the client reconnects, so the
+    caller's loop backs off and fetches again (the pull subscription stays bound: after an election the same
+    durable consumer answers)."""
     try:
         return await psub.fetch(batch, timeout=timeout)
     except (TimeoutError, nats.errors.TimeoutError):
         return []
+    except (nats.errors.Error, nats.js.errors.Error, ConnectionError) as exc:
+        raise as_bus_error(exc, "fetch") from exc
+
+
+async def ack_sync(msg: Msg, timeout: float = 10.0,  # noqa: ASYNC109 - nats-py's per-request ack timeout
+                   retry_for_s: float = RETRY_FOR_S) -> None:
+    """Ack ``msg`` and wait for the server's confirmation, trying again through an election (a repeated ack of an
+    acked message is confirmed too); ``BusError`` when it cannot be confirmed."""
+    await retrying(lambda: _ack_sync(msg, timeout), "ack", retry_for_s)
+
+
+async def _ack_sync(msg: Msg, timeout: float) -> None:  # noqa: ASYNC109 - see ack_sync
+    await msg.ack_sync(timeout=timeout)
 
 
 @contextlib.asynccontextmanager
@@ -306,32 +396,6 @@ async def keep_in_progress(msgs: Msg | Sequence[Msg], interval_s: float) -> Asyn
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-async def hand_back(js: JetStreamContext, msg: Msg, delay_s: float, timeout_s: float = 10.0) -> None:
-    """Put a work item this worker cannot run (a newer contract major, or an env it lacks: an item of the legacy
-    subject or of a family member it does not have) back on the queue for another worker, on the same subject,
-    without spending its deliveries: after ``delay_s`` (reporting progress meanwhile, so it is not redelivered
-    here), republish the same bytes as a new message and ack this one. A nak would count a delivery, and after
-    ``max_deliver`` of them the episode would fail during a rolling upgrade. If the republish fails the item is
-    nak'ed (one delivery spent) and ``BusError`` raised."""
-    headers = dict(msg.headers or {})
-    try:
-        parked = int(headers.get(PARKED_HEADER) or 0) + 1
-    except ValueError:  # a header we did not write: count from here
-        parked = 1
-    original_id = headers.get(MSG_ID_HEADER) or f"{msg.subject}:{msg.metadata.sequence.stream}"
-    headers[PARKED_HEADER] = str(parked)
-    headers[MSG_ID_HEADER] = f"{original_id.split(':parked', 1)[0]}:parked{parked}"
-    async with keep_in_progress(msg, max(0.5, delay_s / 3)):
-        await asyncio.sleep(delay_s)
-    try:
-        await js.publish(msg.subject, msg.data, timeout=timeout_s, headers=headers)
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            await msg.nak(delay=delay_s)
-        raise BusError(f"hand-back of a work item failed: {exc}") from exc
-    await msg.ack_sync(timeout=timeout_s)
 
 
 def delivery_attempt(msg: Msg) -> int:
@@ -356,13 +420,17 @@ __all__ = [
     "JetStreamContext",
     "Msg",
     "NatsSecurity",
+    "ack_sync",
+    "as_bus_error",
+    "bus_errors",
     "connect",
     "delivery_attempt",
     "ensure_consumer",
     "ensure_topology",
     "fetch",
+    "is_retryable",
     "keep_in_progress",
-    "publish_event",
     "recorder_consumer_spec",
+    "retrying",
     "work_consumer_spec",
 ]

@@ -17,6 +17,21 @@ _STDLIB_FLOOR = logging.WARNING
 """Library loggers speak from this level up (or the service's level, when higher): their INFO lines are noise."""
 
 
+class _Stderr:
+    """``sys.stderr`` as it is at each write, not as it was when logging was configured: a command run in-process
+    (a test's CLI runner) swaps it for a buffer it closes afterwards, and a logger holding that buffer would fail
+    every later write."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure_logging(level: str = "INFO", fmt: str = "auto", service: str = "") -> None:
     """Configure structlog and stdlib logging once per process."""
     renderer: Any
@@ -39,13 +54,13 @@ def configure_logging(level: str = "INFO", fmt: str = "auto", service: str = "")
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     # Library (stdlib) records: the same processors and renderer, with the logger's name. vLLM installs its own
     # plain-text handler unless told not to (read when vllm is imported, after this).
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_Stderr())
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder()],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info,

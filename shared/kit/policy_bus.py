@@ -23,8 +23,10 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import BaseModel
 
-from rollout_ledger.shared.errors import SchemaError
+from rollout_ledger.shared.errors import BusError, SchemaError
+from rollout_ledger.shared.kit.bus import bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.runtime import sleep_or_stop
 from rollout_ledger.shared.policy import PolicyAnnouncement, read_value
 from rollout_ledger.shared.subjects import BUCKET_TTL_S, POLICY_BUCKET, POLICY_KEY
 
@@ -46,15 +48,6 @@ def parse_announcement(value: bytes | None) -> PolicyAnnouncement | None:
         return None
 
 
-async def every(period_s: float, stopped: asyncio.Event, action: Callable[[], Awaitable[None]]) -> None:
-    """Until ``stopped``: ``action`` every ``period_s`` seconds (a worker's periodic report)."""
-    while not stopped.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stopped.wait(), period_s)
-        if not stopped.is_set():
-            await action()
-
-
 class PolicyBus:
     """The policy buckets of one process (opened on first use)."""
 
@@ -69,12 +62,22 @@ class PolicyBus:
         return kv
 
     async def announced(self) -> list[PolicyAnnouncement]:
-        """The announcements ``rl_policy`` still holds (``BUCKET_HISTORY``), oldest first."""
+        """The announcements ``rl_policy`` still holds (``BUCKET_HISTORY``), oldest first; the current one always.
+
+        The current value is read directly: nats-py's ``history`` can end before the first entry reaches it (its
+        watcher signals "no more" when the consumer has none pending and none was handled yet, while the entries
+        are still on their way), and a worker starting on a busy machine then missed the announced version."""
         kv = await self.bucket(POLICY_BUCKET)
         try:
-            entries = await kv.history(POLICY_KEY)
-        except (KeyNotFoundError, NoKeysError):
+            latest = await kv.get(POLICY_KEY)
+        except KeyNotFoundError:  # never announced, or deleted
             return []
+        try:
+            entries = list(await kv.history(POLICY_KEY))
+        except (KeyNotFoundError, NoKeysError):
+            entries = []
+        if all(e.revision != latest.revision for e in entries):
+            entries.append(latest)
         parsed = [parse_announcement(e.value) for e in entries if e.value]
         return sorted((a for a in parsed if a is not None), key=lambda a: a.version)
 
@@ -106,18 +109,18 @@ class PolicyBus:
                         await watcher.stop()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # nats-py errors share no base class
+            except Exception as exc:  # a lost watch or a failed ``apply``: watch again (it replays the current value)
                 log.warning("policy.watch_lost", bucket=POLICY_BUCKET, error=f"{type(exc).__name__}: {exc}")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stopped.wait(), 1.0)
+                await sleep_or_stop(stopped, 1.0)
 
     async def put(self, bucket: str, key: str, report: BaseModel) -> bool:
         """Put this process's report; False (logged) when it could not (the next periodic report repairs it)."""
         try:
-            kv = await self.bucket(bucket)
-            await kv.put(key, orjson.dumps(report.model_dump(mode="json")))
-        except Exception as exc:  # nats-py errors share no base class
-            log.warning("policy.report_failed", bucket=bucket, error=f"{type(exc).__name__}: {exc}")
+            with bus_errors(f"put a report into {bucket}"):
+                kv = await self.bucket(bucket)
+                await kv.put(key, orjson.dumps(report.model_dump(mode="json")))
+        except BusError as exc:
+            log.warning("policy.report_failed", bucket=bucket, error=str(exc))
             return False
         return True
 
@@ -225,8 +228,7 @@ class ReportMirror(Generic[_M]):
                 raise
             except Exception as exc:  # a lost watch: watch again (it replays each key's latest report)
                 log.warning("policy.watch_lost", bucket=self.bucket, error=f"{type(exc).__name__}: {exc}")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopped.wait(), 1.0)
+                await sleep_or_stop(self._stopped, 1.0)
 
 
 def _age_s(created: object) -> float:

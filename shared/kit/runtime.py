@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,8 +173,36 @@ class Shutdown:
         await self.event.wait()
 
 
-async def sleep_or_shutdown(shutdown: Shutdown, seconds: float) -> bool:
-    """Sleep up to ``seconds``; True when shutdown was requested meanwhile."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(shutdown.event.wait(), timeout=seconds)
-    return shutdown.requested
+Stop = Shutdown | asyncio.Event
+"""What ends a service's loops: its ``Shutdown`` (SIGTERM) or an event of its own (a component's ``stop``)."""
+
+
+def _event(stop: Stop) -> asyncio.Event:
+    return stop.event if isinstance(stop, Shutdown) else stop
+
+
+async def sleep_or_stop(stop: Stop, seconds: float) -> bool:
+    """Sleep up to ``seconds``, waking as soon as ``stop`` is set; True when it is set (before or meanwhile)."""
+    event = _event(stop)
+    if not event.is_set() and seconds > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout=seconds)
+    return event.is_set()
+
+
+async def ticks(stop: Stop, interval_s: float, *, at_once: bool = True) -> AsyncIterator[int]:
+    """The one loop of a periodic duty: yields the tick number at once (or, without ``at_once``, after the first
+    pause: the duty ran at start already), then again every ``interval_s`` until ``stop`` is set, which ends the pause
+    early and the loop at once.
+
+    ``async for _ in ticks(stop, 5.0): await report()``: the body runs whole (a set ``stop`` does not cut it), and a
+    duty that fails inside the body handles its failure there (an exception ends the loop, as in a plain loop)."""
+    event = _event(stop)
+    if not at_once and await sleep_or_stop(event, interval_s):
+        return
+    tick = 0
+    while not event.is_set():
+        yield tick
+        tick += 1
+        if await sleep_or_stop(event, interval_s):
+            return

@@ -26,11 +26,69 @@ def default_model_dir() -> Path:
 
 
 def normalize_database_url(url: str) -> str:
-    """Accept ``postgres://`` / ``postgresql://`` and use the psycopg 3 driver."""
+    """Accept ``postgres://`` / ``postgresql://`` and use the psycopg 3 driver.
+
+    Several hosts (a primary and its standbys; with ``target_session_attrs=read-write`` a connection lands on the
+    one that accepts writes) may be written as libpq writes them, ``postgresql://u:pw@h1:p1,h2:p2/db?...``, or as
+    SQLAlchemy does, ``postgresql+psycopg://u:pw@/db?host=h1:p1&host=h2:p2&...`` (or ``?host=h1,h2&port=p1,p2``);
+    the first becomes the second (the only one SQLAlchemy parses). Hosts in both places are refused."""
     for prefix in ("postgres://", "postgresql://", "postgresql+psycopg2://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
-    return url
+            url = "postgresql+psycopg://" + url[len(prefix) :]
+            break
+    return _hosts_into_query(url)
+
+
+def _split_netloc(url: str) -> tuple[str, str, str, str, str] | None:
+    """``scheme://userinfo@hosts/rest`` -> (scheme, userinfo with its ``@`` or empty, hosts, path, query); None when
+    ``url`` has no ``://``. Split by hand: ``urllib`` refuses a port list."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return None
+    netloc, _, query = rest.partition("?")
+    netloc, slash, path = netloc.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    return scheme, userinfo + at, hosts, slash + path, query
+
+
+def _hosts_into_query(url: str) -> str:
+    parts = _split_netloc(url)
+    if parts is None or "," not in parts[2]:
+        return url
+    scheme, userinfo, hosts, path, query = parts
+    from urllib.parse import parse_qsl, quote
+
+    if any(k in ("host", "hostaddr", "port") for k, _ in parse_qsl(query, keep_blank_values=True)):
+        raise ValueError("a database URL names its hosts either in the netloc (h1:p1,h2:p2) or in the query "
+                         "(?host=h1:p1&host=h2:p2), not in both")
+    names = hosts.split(",")
+    if not all(names):
+        raise ValueError(f"empty host in the host list {hosts!r} of the database URL")
+    listed = "&".join(f"host={quote(h, safe=':[]')}" for h in names)
+    return f"{scheme}://{userinfo}{path or '/'}?{listed}" + (f"&{query}" if query else "")
+
+
+def libpq_database_url(url: str) -> str:
+    """``url`` (any form ``normalize_database_url`` takes) as a libpq connection URI, for psycopg and ADBC
+    connections made without SQLAlchemy: no driver suffix, and several hosts in the netloc
+    (``postgresql://u:pw@h1:p1,h2:p2/db?target_session_attrs=read-write``), the form libpq reads."""
+    from urllib.parse import parse_qsl, quote, urlencode
+
+    normal = normalize_database_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
+    parts = _split_netloc(normal)
+    if parts is None:
+        return normal
+    scheme, userinfo, hosts, path, query = parts
+    params = parse_qsl(query, keep_blank_values=True)
+    listed = [v for k, v in params if k == "host"]
+    if hosts or not any(":" in h and not h.startswith("/") for h in listed):
+        return normal  # a netloc host, a socket directory or ?host=h1,h2&port=p1,p2: libpq reads them as they are
+    if any(k == "port" for k, _ in params):
+        raise ValueError("a database URL gives its ports either with each host (host=h1:p1) or as port=, not both")
+    netloc = ",".join(listed)
+    rest = [(k, v) for k, v in params if k not in ("host", "port")]
+    tail = f"?{urlencode(rest, quote_via=quote)}" if rest else ""
+    return f"{scheme}://{userinfo}{quote(netloc, safe=':,[]')}{path}{tail}"
 
 
 @dataclass(frozen=True)
@@ -64,7 +122,9 @@ class BaseServiceSettings(BaseSettings):
         "postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
         validation_alias=AliasChoices("DATABASE_URL", "ROLLOUT_DATABASE_URL"),
     )
-    """Postgres DSN (``postgres://`` is accepted and normalised to psycopg 3)."""
+    """Postgres DSN (``postgres://`` is accepted and normalised to psycopg 3). A primary and its standbys may be
+    listed (``postgresql://u:pw@h1:5432,h2:5432/db?target_session_attrs=read-write``, or SQLAlchemy's
+    ``?host=h1:5432&host=h2:5432``): each new connection goes to the one that takes writes."""
     log_level: str = "INFO"
     """Log level (JSON logs unless ROLLOUT_LOG_FORMAT=console)."""
     log_format: str = "auto"

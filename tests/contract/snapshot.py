@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, get_args
 
 import numpy as np
 from pydantic import BaseModel
@@ -23,6 +24,7 @@ from rollout_ledger.shared.events import (
     EpisodeFinished,
     EpisodeRequested,
     EpisodeStarted,
+    Event,
     FailureClass,
     FinishReason,
     InferenceRequested,
@@ -32,7 +34,6 @@ from rollout_ledger.shared.events import (
     TrajectoryStatus,
     TurnGenerated,
     encode,
-    event_schemas,
 )
 
 HERE = Path(__file__).parent
@@ -43,6 +44,12 @@ _TIME = datetime(2026, 11, 24, 12, 0, 0, tzinfo=UTC)
 _ENV = {"episode_id": "b.0.0", "batch_id": "b", "attempt": 1, "produced_by": "snapshot/1", "time": _TIME}
 _IDS = np.array([1, 9690, 198, 49151, 0], dtype=np.int32)
 _LPS = np.array([-0.5, -1e-6, -12.25, 0.0, -3.0], dtype=np.float32)
+
+
+def event_schemas() -> dict[str, dict[str, Any]]:
+    """JSON schema of each event type of the contract's ``Event`` union, keyed by ``type`` (what the snapshots pin)."""
+    models: tuple[type[BaseModel], ...] = get_args(get_args(Event)[0])
+    return {model.model_fields["type"].default: model.model_json_schema() for model in models}
 
 
 def examples() -> list[BaseModel]:

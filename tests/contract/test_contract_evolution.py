@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from rollout_ledger.shared.errors import NewerContractError, SchemaError
-from rollout_ledger.shared.events import SCHEMA_VERSION, decode, decode_as, encode, event_schemas, to_json
+from rollout_ledger.shared.events import SCHEMA_VERSION, decode, decode_as, encode, to_json
 
-from .snapshot import examples
+from .snapshot import event_schemas, examples
 
 EVENTS = Path(__file__).parent / "events"
 SNAPSHOTS = sorted(EVENTS.glob("v*/*.msgpack"))

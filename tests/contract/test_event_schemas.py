@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_ledger.shared.events import SCHEMA_VERSION, event_schemas
+from rollout_ledger.shared.events import SCHEMA_VERSION
+
+from .snapshot import event_schemas
 
 SNAPSHOTS = Path(__file__).parent / "schemas"
 ENVELOPE = {"event_id", "type", "schema_version", "episode_id", "batch_id", "attempt", "seq", "produced_by", "time"}

@@ -13,6 +13,8 @@ from typing import Any
 
 import jsonschema
 
+from tests.deploy.cnpg_schemas import CNPG_SCHEMAS
+
 DURATION = {"type": "string",
             "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
 """A Prometheus duration (``30s``, ``1h30m``)."""
@@ -108,7 +110,8 @@ _PROMETHEUS_RULE = _strict({
     }),
 }, ("apiVersion", "kind", "metadata", "spec"))
 
-CRD_SCHEMAS: dict[str, dict[str, Any]] = {"PodMonitor": _POD_MONITOR, "PrometheusRule": _PROMETHEUS_RULE}
+CRD_SCHEMAS: dict[str, dict[str, Any]] = {"PodMonitor": _POD_MONITOR, "PrometheusRule": _PROMETHEUS_RULE,
+                                           **CNPG_SCHEMAS}  # CloudNativePG's, from its CRDs (cnpg_schemas.py)
 """Kind -> its strict schema (the kinds the overlays may render without a Kubernetes schema, besides KEDA's)."""
 
 

@@ -145,7 +145,7 @@ def test_dockerignore_admits_exactly_what_is_copied(dockerfile: tuple[dict[str, 
     assert sources & staged == staged
 
 
-def test_runtime_requirements_leave_out_only_developer_infrastructure() -> None:
+def test_the_test_servers_are_an_extra_no_image_carries() -> None:
     import importlib.util
     import tomllib
 
@@ -153,14 +153,16 @@ def test_runtime_requirements_leave_out_only_developer_infrastructure() -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    names = {module.distribution(d) for d in deps}
-    assert names >= module.DEV_ONLY, "DEV_ONLY names a dependency pyproject no longer has"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"]
+    assert not {module.distribution(d) for d in deps} & module.DEV_ONLY, "a base dependency: every install has it"
+    assert {module.distribution(d) for d in project["optional-dependencies"]["local"]} == module.DEV_ONLY
     kept = module.runtime_requirements(ROOT / "pyproject.toml")
-    assert len(kept) == len(deps) - len(module.DEV_ONLY)
+    assert kept == deps
     with_envs = module.runtime_requirements(ROOT / "pyproject.toml", ("envs",))
-    envs = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["envs"]
-    assert with_envs == kept + envs, "the service image carries the envs extra"
+    assert with_envs == kept + project["optional-dependencies"]["envs"], "the service image carries the envs extra"
+    with pytest.raises(ValueError, match="local"):
+        module.runtime_requirements(ROOT / "pyproject.toml", ("local",))
     assert module.distribution("psycopg[binary]>=3.2") == "psycopg"
     assert module.distribution("pydantic_settings>=2") == "pydantic-settings"
 

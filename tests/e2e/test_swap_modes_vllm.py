@@ -15,7 +15,9 @@ logit changes, no shape does) are pushed in each mode:
 - an inference worker SIGKILLed (with its process group: the engine core dies with it) while it loads a version
   comes back, a new process, serving that version, and the batch completes;
 - admission: a batch with ``max_staleness`` 0 submitted right after a push waits while the worker serves the old
-  version and starts once it serves the new one.
+  version and starts once it serves the new one;
+- the worker process drains on SIGTERM and exits 0, its engine core with it (the e2e suite's only other vLLM
+  processes are the session engine and the trainer demos' stacks).
 
 For every version, every kept turn's stored logprobs are transformers' under THAT version's weights (float32, the
 audit's recomputation; and not those of the version before it), and every batch is token-exact in SQL.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -288,19 +291,29 @@ def test_keep_continues_the_turns_in_flight_on_the_new_version(run: Run) -> None
     regenerated = metric(run.inf.url, "rollout_inference_regenerated_total")
     lost = metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"})  # the abort's, before
     v3 = run.checkpoint(3, 1.1)
-    # turns of exactly 256 ids (min_tokens = max_tokens: no early end of turn), several seconds of decoding even on
-    # a fast CPU; the push goes out once a generation has been decoding for 0.25 s (ids sampled by version 2), so
-    # the swap cuts it mid-way with seconds to spare, on a slow machine or a fast one
-    batch = run.submit([{"turns": 2, "topic": "lighthouses"}] * 4, max_turns=2,
+    # 4 episodes, all running at once (the env worker's concurrency), of turns of exactly 256 ids (min_tokens =
+    # max_tokens: no early end of turn), several seconds of decoding even on a fast CPU. The push goes out once every
+    # first turn is recorded and a generation has been decoding for 0.25 s (ids sampled by version 2): that
+    # generation is a second turn, which started with the others after the first turns' steps, so the swap cuts it
+    # mid-way with seconds to spare, on a slow machine or a fast one. (Waiting for "a generation decoding for 0.25 s"
+    # alone could read a first turn about to end, and push between the turns. With more episodes than the
+    # concurrency, "every first turn recorded" would wait for a second wave of episodes: three turns of decoding.)
+    batch = run.submit([{"turns": 2, "topic": "lighthouses"}] * 2, max_turns=2,
                        sampling={"temperature": 1.0, "max_tokens": 256, "min_tokens": 256})
-    wait_for(lambda: run.turns(batch) >= 2, 120, "turns on version 2")
-    wait_for(lambda: metric(run.inf.url, "rollout_inference_oldest_generation_seconds") >= 0.25, 60,
-             "a generation decoding for 0.25 s")
+
+    def second_turns_decoding() -> bool:
+        first = run.sql.scalar("select count(*) from turns t join episodes e on e.id = t.episode_id "
+                               "where e.batch_id = :b and t.turn_index = 0", b=batch)
+        return first == 4 and metric(run.inf.url, "rollout_inference_oldest_generation_seconds") >= 0.25
+
+    # the bound of a batch phase here (as ``wait_done``'s): one wave of 4 x 256 ids took 35 s beside two busy cores
+    wait_for(second_turns_decoding, 240, "every first turn recorded and a second turn decoding for 0.25 s",
+             interval_s=0.02)
     run.push(3, v3, "keep")
     run.until_state(3, "serving")
     run.served.append(3)
     run.wait_done(batch)  # every episode completed: none aborted by the update
-    assert check_token_exact(run.sql, batch) == 8
+    assert check_token_exact(run.sql, batch) == 4
     assert metric(run.inf.url, "rollout_inference_regenerated_total") == regenerated, "nothing generated twice"
     assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"}) == lost, "no sampled id discarded"
     assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "kept"}) > 0
@@ -391,6 +404,20 @@ def test_admission_holds_a_bounded_batch_until_the_worker_serves_the_pushed_vers
     assert admitted == {version}, "released by the version's advance"
     assert check_token_exact(run.sql, bounded) == 4
     assert set(check_versions(run, bounded)) == {version}, "a bounded episode never started on the older weights"
+
+
+def test_the_worker_process_drains_on_sigterm_and_exits_0(run: Run) -> None:
+    """``rollout serve inference-worker`` on vLLM (this module's worker: it served every batch above) drains on
+    SIGTERM and exits 0, its engine core with it. (Last in the module: the worker does not come back.)"""
+    worker = run.inf
+    engine = worker.descendants()
+    assert engine, "the vLLM worker runs its engine core as a child process"
+    worker.signal(signal.SIGTERM)
+    assert worker.proc is not None
+    assert worker.proc.wait(60) == 0, worker.tail_log(40)
+    assert any(e.get("event") == "service.stopped" for e in _events(worker)), worker.tail_log(40)
+    left = [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], f"the engine core stopped with its worker: {left}"
 
 
 def _events(proc: ServiceProcess) -> list[dict[str, Any]]:

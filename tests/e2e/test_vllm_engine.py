@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -11,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
-from rollout_ledger.cli.stack.supervisor import ServiceProcess
 from rollout_ledger.services.inference_worker.engine import Engine, Generation
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import (
@@ -26,6 +24,7 @@ from rollout_ledger.shared.events import (
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.subjects import EVENTS_STREAM, event_subject, infer_worker_subject
+from tests.helpers import until
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import EngineHost, InProcessWorker
@@ -47,14 +46,6 @@ def chat(tok: ChatTokenizer, *messages: tuple[str, str]) -> np.ndarray:
 
 def rid(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-async def until(cond: Any, within_s: float, what: str) -> None:
-    deadline = time.monotonic() + within_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within_s}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def check_shape(gen: Generation) -> None:
@@ -190,7 +181,7 @@ async def test_abort_ends_a_running_request(vllm_host: EngineHost, vllm_engine: 
     long = SamplingParams(temperature=1.0, seed=5, max_tokens=3000)
     task = asyncio.create_task(vllm_engine.generate(request_id, chat(tok, ("user", STORY)), long, 3000))
     await until(lambda: request_id in engine.inflight and engine.llm.get_num_unfinished_requests() > 0, 30,
-                "the request to be running in vLLM")
+                "the request to be running in vLLM", interval_s=0.01)
     began = time.perf_counter()
     await vllm_engine.abort(request_id)
     gen = await asyncio.wait_for(task, 10)
@@ -266,16 +257,6 @@ async def ask_worker(nc: bus.NATS, subject: str, tok: ChatTokenizer) -> tuple[Tu
     event = decode(stored.data)
     assert isinstance(event, TurnGenerated) and event.event_id == request_id
     return reply, event
-
-
-async def test_worker_process_serves_and_drains(vllm_worker_process: ServiceProcess, nc: bus.NATS,
-                                                tok: ChatTokenizer) -> None:
-    """``rollout serve inference-worker`` with ROLLOUT_ENGINE=vllm answers, then drains on SIGTERM and exits 0."""
-    reply, _ = await ask_worker(nc, infer_worker_subject(vllm_worker_process.name), tok)
-    assert reply.engine == "vllm" and "Paris" in tok.decode(reply.token_ids, skip_special_tokens=True)
-    vllm_worker_process.signal(signal.SIGTERM)
-    assert vllm_worker_process.proc is not None
-    assert await asyncio.to_thread(vllm_worker_process.proc.wait, 60) == 0, vllm_worker_process.tail_log(40)
 
 
 INTEL_AMX = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"

@@ -79,9 +79,14 @@ def arrays(t: Traj, seed: int = 0) -> Arrays:
 
 def seed_batch(database_url: str, batch_id: str, groups: Sequence[Sequence[Traj]], env: str = "arithmetic",
                created_at: str | None = None) -> list[list[str]]:
-    """Insert a batch with one group per entry of ``groups``; returns the episode ids per group."""
+    """Insert a batch with one group per entry of ``groups``; returns the episode ids per group. ``created_at``:
+    when its episodes were created and its trajectories written (now by default)."""
     out: list[list[str]] = []
     with psycopg.connect(libpq_url(database_url)) as conn, conn.cursor() as cur:
+        cur.execute("SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_name = 'trajectories' "
+                    "AND column_name = 'episode_created_at')")  # migration 0017 (a test may run before it)
+        row = cur.fetchone()
+        keyed = bool(row and row[0])
         size = max(len(g) for g in groups)
         cur.execute(
             "INSERT INTO batches (id, env, group_size, max_turns, sampling, num_tasks, num_episodes, request_hash) "
@@ -96,23 +101,25 @@ def seed_batch(database_url: str, batch_id: str, groups: Sequence[Sequence[Traj]
                 a = arrays(t, seed=ti * 10 + gi)
                 cur.execute(
                     "INSERT INTO episodes (id, batch_id, group_id, group_index, task_index, env, task, status, "
-                    "attempt, reward, num_turns, weight_versions, prompt_text, started_at, finished_at) "
+                    "attempt, reward, num_turns, weight_versions, prompt_text, started_at, finished_at, created_at) "
                     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, now() - interval '2 seconds', "
-                    "now())",
+                    "now(), coalesce(%s::timestamptz, now()))",
                     (eid, batch_id, gid, gi, ti, env, json.dumps({"seed": ti}), t.episode_status or t.status,
-                     t.attempt, t.reward, a.num_turns, a.versions, f"prompt {ti}"))
+                     t.attempt, t.reward, a.num_turns, a.versions, f"prompt {ti}", created_at))
                 if not t.with_trajectory:
                     continue
+                key = ("episode_created_at, ", "(SELECT created_at FROM episodes WHERE id = %s), ") if keyed \
+                    else ("", "")
                 cur.execute(
-                    "INSERT INTO trajectories (episode_id, batch_id, group_id, env, attempt, status, reward, "
+                    f"INSERT INTO trajectories (episode_id, {key[0]}batch_id, group_id, env, attempt, status, reward, "
                     "token_ids, loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, "
-                    "num_sampled_tokens, num_turns, segments, num_segments, created_at) VALUES (%s, %s, %s, %s, "
-                    "%s, %s, %s, %s, %s::int2[], %s::float4[], %s, %s, %s, %s, %s, %s, %s, %s, "
+                    f"num_sampled_tokens, num_turns, segments, num_segments, created_at) VALUES (%s, {key[1]}%s, %s, "
+                    "%s, %s, %s, %s, %s, %s::int2[], %s::float4[], %s, %s, %s, %s, %s, %s, %s, %s, "
                     "coalesce(%s::timestamptz, now()))",
-                    (eid, batch_id, gid, env, t.attempt, t.status, t.reward, a.token_ids.tolist(),
-                     a.loss_mask.tolist(), a.logprobs.tolist(), a.weight_versions.tolist(), a.action_ranges,
-                     a.prompt_len, len(a.token_ids), int(a.loss_mask.sum()), a.num_turns, a.segments,
-                     len(a.segments), created_at))
+                    (eid, *((eid,) if keyed else ()), batch_id, gid, env, t.attempt, t.status, t.reward,
+                     a.token_ids.tolist(), a.loss_mask.tolist(), a.logprobs.tolist(), a.weight_versions.tolist(),
+                     a.action_ranges, a.prompt_len, len(a.token_ids), int(a.loss_mask.sum()), a.num_turns,
+                     a.segments, len(a.segments), created_at))
             out.append(ids)
     return out
 

@@ -16,6 +16,7 @@ from rollout_ledger.shared.events import FinishReason, InferenceRequested, TurnG
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_worker_subject
+from tests.helpers import publish_event
 
 
 class Policy:
@@ -77,7 +78,7 @@ class Policy:
             turn_index=req.turn_index, prompt_len=len(req.prompt_token_ids), token_ids=ids,
             logprobs=np.full(len(ids), -0.5, dtype=np.float32), finish_reason=FinishReason.STOP, weight_version=0,
             engine="policy", worker_id=self.worker_id, queue_ms=0.0, generate_ms=0.0)
-        await bus.publish_event(self.js, turn)
+        await publish_event(self.js, turn)
         await self.nc.publish(msg.reply, encode(turn))
 
     def text_for(self, req: InferenceRequested) -> str:

@@ -7,7 +7,6 @@ the workers lag a pushed version, and releases them when every worker serves it.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
@@ -20,7 +19,8 @@ from rollout_ledger.shared.db import episodes
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.policy import WorkerPolicyReport, WorkerPolicyState
 from rollout_ledger.shared.subjects import POLICY_WORKERS_BUCKET
-from tests.integration.test_scheduler_api import Api, body, eventually, make_settings, register_env, running, work_count
+from tests.helpers import metric_in, until
+from tests.integration.test_scheduler_api import Api, body, make_settings, register_env, running, work_count
 
 CKPT = "/checkpoints/run/step"
 
@@ -56,6 +56,22 @@ async def statuses(api: Api, batch_id: str) -> dict[str, tuple[str, int | None, 
         rows = await conn.execute(select(episodes.c.id, episodes.c.status, episodes.c.admitted_version,
                                          episodes.c.published_at).where(episodes.c.batch_id == batch_id))
         return {r.id: (r.status, r.admitted_version, r.published_at is not None) for r in rows}
+
+
+async def admission_passes(api: Api) -> float:
+    """Admission passes the scheduler ran so far (``rollout_admission_passes_total``)."""
+    return metric_in((await api.client.get("/metrics")).text, "rollout_admission_passes_total")
+
+
+async def passes_after_now(api: Api, passes: int = 2) -> None:
+    """Wait until admission has run ``passes`` more passes: the first may have begun before this call, every later
+    one began after it and saw what the test did before (a pushed version, a cancel)."""
+    done = await admission_passes(api) + passes
+
+    async def ran() -> bool:
+        return await admission_passes(api) >= done
+
+    await until(ran, 10, f"{passes} more admission passes")
 
 
 async def test_a_bounded_batch_starts_one_step_then_follows_the_trainer(api: Api) -> None:
@@ -96,7 +112,7 @@ async def test_a_bounded_batch_starts_one_step_then_follows_the_trainer(api: Api
     async def next_step() -> bool:
         return await work_count(api.js) == 8
 
-    await eventually(next_step, what="the second step admitted once every worker serves version 1")
+    await until(next_step, what="the second step admitted once every worker serves version 1")
     eps = await statuses(api, "onpolicy")
     assert sorted(e for e, (s, v, _) in eps.items() if s == "requested" and v == 1) == [
         "onpolicy.2.0", "onpolicy.2.1", "onpolicy.3.0", "onpolicy.3.1"]
@@ -111,7 +127,7 @@ async def test_a_bounded_batch_starts_one_step_then_follows_the_trainer(api: Api
     async def all_started() -> bool:
         return await work_count(api.js) == 12
 
-    await eventually(all_started, what="the last step")
+    await until(all_started, what="the last step")
     final = await batch(api, "onpolicy")
     assert final["counts"]["waiting"] == 0 and final["admission"]["held"] is None
 
@@ -126,18 +142,18 @@ async def test_k_lets_generation_run_ahead_and_a_worker_lagging_more_than_k_hold
     async def third_step() -> bool:
         return await work_count(api.js) == 12
 
-    await eventually(third_step, what="the third step while the worker is one version behind")
+    await until(third_step, what="the third step while the worker is one version behind")
     await push(api, 2)  # the trainer is two versions ahead of the only worker: more than k
     shown = (await batch(api, "ahead"))["admission"]
     assert shown["limit"] == 16 and "2 behind the announced 2" in shown["held"]
-    await asyncio.sleep(1.0)  # five admission intervals
+    await passes_after_now(api)
     assert await work_count(api.js) == 12
     await serve(api, "inf-a", 1)  # one behind: within k
 
     async def rest() -> bool:
         return await work_count(api.js) == 16
 
-    await eventually(rest, what="the rest once the worker is within k of the announced version")
+    await until(rest, what="the rest once the worker is within k of the announced version")
 
 
 async def test_without_a_run_ahead_bound_only_the_gap_holds(api: Api) -> None:
@@ -152,7 +168,7 @@ async def test_without_a_run_ahead_bound_only_the_gap_holds(api: Api) -> None:
     async def started() -> bool:
         return await work_count(api.js) == 6
 
-    await eventually(started, what="every episode once the worker serves the announced version")
+    await until(started, what="every episode once the worker serves the announced version")
     eps = await statuses(api, "gap")
     assert {v for _, v, _ in eps.values()} == {3}
 
@@ -163,7 +179,7 @@ async def test_cancel_ends_waiting_episodes(api: Api) -> None:
     out = (await api.client.post("/v1/batches/cx/cancel")).json()
     assert out["cancelled_now"] == 6 and out["counts"]["cancelled"] == 6
     await push(api, 1)  # a version that would admit the next step, were the batch not cancelled
-    await asyncio.sleep(1.0)  # five admission intervals
+    await passes_after_now(api)
     assert await work_count(api.js) == 2
     assert {s for s, _, _ in (await statuses(api, "cx")).values()} == {"cancelled"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_ledger.services.scheduler import store
+from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.planning import canonical_request, plan_episodes, request_hash
 from rollout_ledger.services.scheduler.schemas import BatchCreate
 from rollout_ledger.shared.events import ContextPolicy
@@ -45,7 +45,7 @@ async def test_republished_work_items_keep_the_context_policy(api: Api) -> None:
                            "context": WINDOW, "num_tasks": len(req.tasks), "num_episodes": len(planned),
                            "request_hash": request_hash(req), "metadata": req.metadata}
     async with api.engine.begin() as conn:  # what a scheduler that crashed between commit and publish leaves
-        assert await store.insert_batch(conn, row, planned) is not None
+        assert await batch_store.insert_batch(conn, row, planned) is not None
     assert await work_count(api.js) == 0
     r = await api.client.post("/v1/batches", json=body(batch_id="crashed-window", context=WINDOW))
     assert r.status_code == 200 and r.json()["num_published"] == 6, r.text

@@ -24,10 +24,9 @@ from rollout_ledger.shared.subjects import (
     work_max_deliveries_advisory,
     work_subject,
 )
-from tests.helpers import AUTH, Sql, until
+from tests.helpers import AUTH, Sql, publish_event, until
 from tests.integration.test_env_worker import work_item
 from tests.integration.test_recorder import drained, episode_events, publish, recorder, seed_episodes, settings_for
-from tests.integration.test_recorder import until as until_awaited
 
 FINISHED = {"completed", "truncated"}
 
@@ -97,9 +96,18 @@ async def test_episodes_go_only_to_workers_that_have_their_env(stack: Stack, nc:
                 return info if info["waiting_for_env"] == {"guess-number": 3} else None
             info = await until(shows_waiting, 10, "the batch to show it waits for guess-number")
             assert info["counts"]["requested"] == 3 and info["num_published"] == 3
-            await asyncio.sleep(1.0)  # env-arith is live and idle: it must not take (and fail) them
+            # env-arith is live: it must not take (and fail) them. It has pulled since they were queued once it has
+            # run an episode submitted after them.
+            probe = await _submit(http, "arithmetic", [{"seed": 99}], max_turns=1)
+            probed = await _done(http, probe)
+            assert probed["counts"]["failed"] == 0 and set().union(*_workers(sql, probe).values()) == {"env-arith"}
             info = await _status(http, waiting)
             assert info["counts"]["requested"] == 3 and info["counts"]["failed"] == 0, info
+
+            async def probe_acked() -> bool:  # its item leaves the queue once acked, after its end was recorded
+                info = await js.stream_info(WORK_STREAM, subjects_filter=work_subject("arithmetic"))
+                return not (info.state.subjects or {}).get(work_subject("arithmetic"))
+            await until(probe_acked, 10, "the probe's work item acked")
             assert (await js.stream_info(WORK_STREAM)).state.messages == 3, "the items wait on the work queue"
 
             # ... and completes once a worker with the env starts
@@ -115,7 +123,7 @@ async def test_episodes_go_only_to_workers_that_have_their_env(stack: Stack, nc:
             legacy = [work_item(env, task, batch_id=f"legacy{n}") for n, (env, task) in enumerate(tasks * 2)]
             for item in legacy:
                 seed_episodes(sql, item.batch_id, env=item.env)
-                await bus.publish_event(js, item)  # no route: the legacy subject rl.work.episodes
+                await publish_event(js, item)  # no route: the legacy subject rl.work.episodes
 
             def legacy_done() -> bool:
                 return bool(sql.scalar("select count(*) from episodes where batch_id like 'legacy%' "
@@ -150,7 +158,7 @@ async def test_a_route_consumers_max_deliveries_advisory_fails_the_episode_and_f
         await bus.ensure_consumer(js, bus.work_consumer_spec(ack_wait_s=30, max_deliver=2, max_ack_pending=10,
                                                              route="arithmetic"))
         item = work_item(route, {"q": 1}, batch_id="adv")
-        await bus.publish_event(js, item, route=route)
+        await publish_event(js, item, route=route)
         work = await js.pull_subscribe_bind(work_consumer(route), WORK_STREAM)
         await publish(nc, episode_events(ep, [([3], [])], terminal=False)[:1])  # attempt 1 started
         for _ in range(2):  # two env workers "die": each delivery handed back without an ack
@@ -169,7 +177,7 @@ async def test_a_route_consumers_max_deliveries_advisory_fails_the_episode_and_f
         async with recorder(settings_for(nats_url, database_url)):
             await until(lambda: sql.scalar("select status from episodes") == "failed", 20, "episode failed")
             await until(lambda: sql.scalar("select count(*) from dead_letters") == 4, 20, "letters")
-            await until_awaited(lambda: drained(nc), 10, "drained")
+            await until(lambda: drained(nc), 10, "drained")
         row = sql.rows("select failure_class, failure_reason, attempt from episodes")[0]
         assert row["failure_class"] == "infra" and "died 2 times" in row["failure_reason"] and row["attempt"] == 2
         letters = sql.rows("select source, subject, reason, payload from dead_letters order by id")

@@ -18,7 +18,7 @@ from rollout_ledger.shared.events import EpisodeRequested, Event, SamplingParams
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import CANCEL_BUCKET, ENVS_BUCKET, EVENTS_STREAM, WORK_STREAM
-from tests.helpers import metric, until
+from tests.helpers import metric, publish_event, until
 from tests.integration.policy import Policy
 
 TERMINAL = ("episode.finished", "episode.failed", "episode.cancelled")
@@ -92,7 +92,7 @@ async def test_arithmetic_and_guess_number_episodes(stack: Stack, nc: bus.NATS, 
     arith = work_item("arithmetic", {"a": 17, "b": 25, "op": "+"})
     guess = work_item("guess-number", {"target": 37, "low": 1, "high": 100})
     for item in (arith, guess):
-        await bus.publish_event(js, item)
+        await publish_event(js, item)
 
     done = await terminal_of(js, arith.episode_id)
     assert done.type == "episode.finished" and done.status == "completed" and done.reward == 1.0
@@ -119,13 +119,13 @@ async def test_arithmetic_and_guess_number_episodes(stack: Stack, nc: bus.NATS, 
 
 
 async def test_env_failures(stack: Stack, nc: bus.NATS, policy: Policy) -> None:
-    await start_worker(stack)
+    worker = await start_worker(stack)
     js = nc.jetstream()
     faulty = work_item("fixed-turns", {"turns": 4, "fail_at": 2})
     bad_task = work_item("arithmetic", {"a": 1, "b": 2, "op": "/"})
     unknown = work_item("no-such-env", {})
     for item in (faulty, bad_task, unknown):
-        await bus.publish_event(js, item)
+        await publish_event(js, item)
     failed = await terminal_of(js, faulty.episode_id)
     assert failed.type == "episode.failed" and failed.failure_class == "env"
     # turn 1 was generated (seq 3) but its step failed: the partial trajectory keeps turn 0 only
@@ -136,8 +136,12 @@ async def test_env_failures(stack: Stack, nc: bus.NATS, policy: Policy) -> None:
     reset_failed = await terminal_of(js, bad_task.episode_id)
     assert reset_failed.failure_class == "env" and "TaskError" in reset_failed.reason and reset_failed.seq == 1
     # an env this worker lacks does not fail: the item is handed back (no delivery spent) and waits for a worker
-    # that has it (tests/integration/test_env_routing.py)
-    await asyncio.sleep(0.5)
+    # that has it (tests/integration/test_env_routing.py): wait until it was delivered and handed back twice
+    def handed_back() -> int:
+        return sum(1 for line in worker.log_path.read_text(errors="replace").splitlines()
+                   if "work_item.not_my_env" in line and unknown.episode_id in line)
+
+    await until(lambda: handed_back() >= 2, 20, "the unknown env's item handed back twice")
     assert not [e for e in await episode_events(js, unknown.episode_id) if e.type in TERMINAL]
     assert (await js.stream_info(WORK_STREAM)).state.messages == 1
 
@@ -146,7 +150,7 @@ async def test_no_inference_worker_fails_after_budget(stack: Stack, nc: bus.NATS
     worker = await start_worker(stack, ROLLOUT_INFERENCE_MAX_TRIES="3", ROLLOUT_INFERENCE_BACKOFF_S="0.05")
     js = nc.jetstream()
     item = work_item("arithmetic", {"seed": 1})
-    await bus.publish_event(js, item)
+    await publish_event(js, item)
     failed = await terminal_of(js, item.episode_id)
     assert failed.type == "episode.failed" and failed.failure_class == "inference" and "3 tries" in failed.reason
     assert failed.num_turns == 0 and failed.seq == 1
@@ -165,14 +169,14 @@ async def test_cancel_before_start_and_mid_episode(stack: Stack, nc: bus.NATS, p
     # consumer are separate subscriptions, so an item published right after the put can be delivered first (the
     # episode then stops at its next turn, as the mid-episode case below checks)
     await until(lambda: metric(worker.url, "rollout_cancelled_batches") == 1, 10, "the worker to see the cancel")
-    await bus.publish_event(js, early)
+    await publish_event(js, early)
     ev = await terminal_of(js, early.episode_id)
     assert ev.type == "episode.cancelled" and ev.num_turns == 0 and ev.event_id == f"{early.episode_id}:a1:end"
     assert [e.type for e in await episode_events(js, early.episode_id)] == ["episode.cancelled"]
 
     late = work_item("fixed-turns", {"turns": 50}, max_turns=50)
     policy.hold = lambda r: r.episode_id == late.episode_id and r.turn_index == 2
-    await bus.publish_event(js, late)
+    await publish_event(js, late)
     await until(lambda: any(r.episode_id == late.episode_id and r.turn_index == 2 for r in policy.requests), 10,
                 "turn 2 requested")
     await cancels.put(late.batch_id, b"2026-01-01T00:00:00Z")
@@ -189,7 +193,7 @@ async def test_max_turns_and_context_length_truncate(stack: Stack, nc: bus.NATS,
     short = work_item("fixed-turns", {"turns": 10}, max_turns=2)
     long = work_item("fixed-turns", {"turns": 50}, max_turns=50, index=1)
     for item in (short, long):
-        await bus.publish_event(js, item)
+        await publish_event(js, item)
     ev = await terminal_of(js, short.episode_id)
     assert (ev.status, ev.stop_reason, ev.num_turns, ev.info["token_check"]) == ("truncated", "max_turns", 2, "ok")
     ev = await terminal_of(js, long.episode_id)
@@ -208,7 +212,7 @@ async def test_episodes_through_a_real_inference_worker(stack: Stack, nc: bus.NA
     items = [work_item("arithmetic", {"seed": 3}), work_item("guess-number", {"seed": 5}, max_turns=8, index=1),
              work_item("fixed-turns", {"turns": 4}, index=2)]
     for item in items:
-        await bus.publish_event(js, item)
+        await publish_event(js, item)
     for item in items:
         ev = await terminal_of(js, item.episode_id)
         assert ev.type == "episode.finished" and ev.info["token_check"] == "ok", ev

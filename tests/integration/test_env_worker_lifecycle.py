@@ -12,7 +12,7 @@ import signal
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import WORK_STREAM
-from tests.helpers import until
+from tests.helpers import publish_event, until
 from tests.integration.policy import Policy
 from tests.integration.test_env_worker import (
     TERMINAL,
@@ -31,7 +31,7 @@ async def test_sigterm_drains_in_flight_episodes(stack: Stack, nc: bus.NATS, pol
     js = nc.jetstream()
     items = [work_item("fixed-turns", {"turns": 5}, index=i) for i in range(4)]
     for item in items:
-        await bus.publish_event(js, item)
+        await publish_event(js, item)
     await until(lambda: len({r.episode_id for r in policy.requests}) == 4, 10, "all episodes running")
     code = await asyncio.to_thread(worker.stop, 30.0)
     assert code == 0
@@ -46,7 +46,7 @@ async def test_sigterm_past_drain_timeout_hands_work_back(stack: Stack, nc: bus.
     js = nc.jetstream()
     item = work_item("fixed-turns", {"turns": 3})
     policy.hold = lambda r: r.turn_index == 1
-    await bus.publish_event(js, item)
+    await publish_event(js, item)
     await until(lambda: any(r.turn_index == 1 for r in policy.requests), 10, "turn 1 requested")
     code = await asyncio.to_thread(worker.stop, 30.0)
     assert code == 0
@@ -65,7 +65,7 @@ async def test_sigkill_mid_episode_is_redelivered_as_attempt_2(stack: Stack, nc:
     js = nc.jetstream()
     item = work_item("fixed-turns", {"turns": 3})
     policy.hold = lambda r: r.attempt == 1 and r.turn_index == 1
-    await bus.publish_event(js, item)
+    await publish_event(js, item)
     await until(lambda: any(r.turn_index == 1 for r in policy.requests), 10, "turn 1 requested")
     await asyncio.to_thread(first.kill)
     assert first.proc is not None and first.proc.returncode == -signal.SIGKILL
@@ -91,7 +91,7 @@ async def test_failover_when_an_inference_worker_dies(stack: Stack, nc: bus.NATS
     await start_worker(stack, ROLLOUT_HEARTBEAT_TIMEOUT_S="1", ROLLOUT_INFERENCE_BACKOFF_S="0.05")
     js = nc.jetstream()
     item = work_item("fixed-turns", {"turns": 2})
-    await bus.publish_event(js, item)
+    await publish_event(js, item)
 
     async def started() -> bool:
         return any(e.type == "episode.started" for e in await episode_events(js, item.episode_id))

@@ -268,8 +268,8 @@ async def test_an_env_worker_resumes_after_its_timeout_when_a_worker_is_stuck(nc
         report = await _env_report(js, "env-t")
         assert report is not None and report.state is EnvPolicyState.DRAINING and report.running == 1
         waiting = asyncio.create_task(gate.admit(stopping))  # a work item taken before: it waits, held
-        await asyncio.sleep(0.2)
-        assert not waiting.done() and gate.held == 1
+        await until(lambda: gate.held == 1, 5, "the item held at the gate")
+        assert not waiting.done()
         gate.finished()
 
         async def drained() -> bool:
@@ -344,13 +344,25 @@ async def test_an_inference_worker_swaps_once_every_live_env_worker_drained(nc: 
         assert await gates[0].admit(stopping) and await gates[1].admit(stopping)
         await _put_announcement(js, 1, checkpoint(model_dir, tmp_path / "v1"), SwapMode.DRAIN)
         await until(lambda: not gates[0].is_open and not gates[1].is_open, 10, "both gates closed")
+        closed = time.monotonic()
+        seen: list[int] = []
+        episodes.on_change(lambda: seen.append(1))  # each report the follower's mirror takes in
         gates[0].finished()
-        await asyncio.sleep(1.0)
+
+        def env0_drained() -> bool:
+            r = episodes.live().get(gates[0].worker_id)
+            return r is not None and r.state is EnvPolicyState.DRAINED and r.drained_for == 1
+
+        await until(env0_drained, 10, "the follower's mirror to show env-0 drained")
+        # two more reports (each gate reports every second): the follower re-checked with env-0 drained since
+        after = len(seen) + 2
+        await until(lambda: len(seen) >= after, 10, "two more env reports in the follower's mirror")
         assert weights.serving == 0 and follower.state is WorkerPolicyState.ANNOUNCED, "env-1 still runs one"
+        held_s = time.monotonic() - closed
         gates[1].finished()
         await until(lambda: weights.serving == 1, 10, "the swap once both drained")
         await until(lambda: gates[0].is_open and gates[1].is_open, 10, "both gates open once 1 serves")
-        assert all(g.last_pause_s is not None and g.last_pause_s >= 1 for g in gates)
+        assert all(g.last_pause_s is not None and g.last_pause_s >= held_s for g in gates), "paused until 1 served"
         assert all(g.metrics is None for g in gates)
         states: list[Any] = [await _env_report(js, g.worker_id) for g in gates]
         assert all(s is not None and s.state is EnvPolicyState.RUNNING and s.drained_for == 1 for s in states)

@@ -61,7 +61,7 @@ def test_a_late_commit_is_never_skipped(database_url: str, tmp_path: Path) -> No
 def test_replaced_trajectories_and_upserts(database_url: str, tmp_path: Path) -> None:
     seed_batch(database_url, "rp", [[Traj(), Traj()]])
     upsert = ("INSERT INTO trajectories SELECT * FROM trajectories WHERE episode_id = %s "
-              "ON CONFLICT (episode_id) DO UPDATE SET attempt = excluded.attempt + 1 "
+              "ON CONFLICT (episode_id, episode_created_at) DO UPDATE SET attempt = excluded.attempt + 1 "
               "WHERE trajectories.attempt < excluded.attempt + 1")
     run(database_url, upsert, ("rp.0.0",))  # replaced before anyone read attempt 1
     f = Follower(database_url, "rp", Selection(), tmp_path, "jsonl")
@@ -201,9 +201,10 @@ def test_complete_groups_are_delivered_once_when_complete(database_url: str) -> 
     with TrajectoryReader(database_url, "groups", selection=sel, fmt="full") as reader:
         assert reader.next_batch() is None  # the group's first member alone: held, cursor steps over it
         template = run(database_url, "SELECT token_ids FROM trajectories WHERE episode_id = 'cg.0.0'")[0][0]
-        run(database_url, "INSERT INTO trajectories (episode_id, batch_id, group_id, env, attempt, status, reward, "
-            "token_ids, loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, "
-            "num_sampled_tokens, num_turns, segments) SELECT 'cg.0.1', batch_id, group_id, env, 1, 'completed', 0.0, "
+        run(database_url, "INSERT INTO trajectories (episode_id, episode_created_at, batch_id, group_id, env, attempt, "
+            "status, reward, token_ids, loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, "
+            "num_sampled_tokens, num_turns, segments) SELECT 'cg.0.1', (SELECT created_at FROM episodes WHERE id = "
+            "'cg.0.1'), batch_id, group_id, env, 1, 'completed', 0.0, "
             "token_ids, loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, "
             "num_sampled_tokens, num_turns, segments FROM trajectories WHERE episode_id = 'cg.0.0'")
         run(database_url, "UPDATE episodes SET status = 'completed' WHERE id = 'cg.0.1'")

@@ -18,7 +18,7 @@ from rollout_ledger.client.source import connect, connect_arrow, fetch
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.shared.events import StepCompleted, TurnGenerated
 from rollout_ledger.shared.kit import bus
-from tests.helpers import Sql
+from tests.helpers import Sql, until
 from tests.integration.test_recorder import (
     PROMPT,
     drained,
@@ -28,7 +28,6 @@ from tests.integration.test_recorder import (
     recorder,
     seed_episodes,
     settings_for,
-    until,
 )
 
 

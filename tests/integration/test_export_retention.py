@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -17,6 +18,7 @@ from rollout_ledger.client.source import libpq_url
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.follow import Follower
 from rollout_ledger.services.exporter.retention import PruneResult, RetentionError, consumers, prune
+from tests.helpers import wait_for
 from tests.integration.export_data import Traj, delivered, run, seed_batch
 
 Entry = tuple[int, int, str, int]
@@ -70,21 +72,35 @@ def landscape(url: str) -> None:
     run(url, "DELETE FROM trajectories WHERE episode_id = 'b.2.0'")
 
 
+def xmin_reaches(url: str, xid: int) -> None:
+    """Wait until no transaction older than ``xid`` runs anywhere in the cluster: the xmin is cluster-wide, and
+    another database's transaction (an autovacuum's analyze, a test before this one) would hold it lower than this
+    test's own. The xmin never goes back, so the prune that follows sees at least this one."""
+    wait_for(lambda: int(run(url, "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint")[0][0]) >= xid, 30,
+             f"the cluster's xmin to reach {xid}")
+
+
+def settled_prune(url: str, **kwargs: Any) -> PruneResult:
+    """``prune`` once every feed entry's writer has ended and no older transaction runs (see ``xmin_reaches``)."""
+    xmin_reaches(url, int(run(url, "SELECT coalesce(max(xid), 0) + 1 FROM trajectory_feed")[0][0]))
+    return prune(url, **kwargs)
+
+
 def test_dead_entries_are_pruned_only_once_every_consumer_passed_them(database_url: str, tmp_path: Path) -> None:
     landscape(database_url)
     assert len(feed(database_url)) == 8
     assert sorted(consume(database_url, "fast", tmp_path / "fast")) == STORED
     assert consume(database_url, "slow", tmp_path / "slow", steps=0) == []  # registered at the start of the feed
 
-    res = prune(database_url)
+    res = settled_prune(database_url)
     assert (res.dead, res.aged, res.holder, res.consumers) == (0, 0, "slow", 2)
     assert len(feed(database_url)) == 8  # "slow" has passed nothing yet
 
     consume(database_url, "slow", tmp_path / "slow")
-    res = prune(database_url)
+    res = settled_prune(database_url)
     assert (res.dead, res.aged, res.remaining) == (4, 0, 4)
     assert sorted((e[2], e[3]) for e in feed(database_url)) == STORED  # one entry per stored version is kept
-    assert prune(database_url).deleted == 0  # nothing more to do
+    assert settled_prune(database_url).deleted == 0  # nothing more to do
 
 
 def test_nothing_a_lagging_consumer_still_needs_is_pruned(database_url: str, tmp_path: Path) -> None:
@@ -95,7 +111,7 @@ def test_nothing_a_lagging_consumer_still_needs_is_pruned(database_url: str, tmp
     ahead = [e for e in feed(database_url) if (e[0], e[1]) > slow_at]
     assert len(ahead) == 5
 
-    res = prune(database_url)
+    res = settled_prune(database_url)
     assert res.dead == 1 and res.horizon is not None and (res.horizon.xid, res.horizon.seq) == slow_at
     assert [e for e in feed(database_url) if (e[0], e[1]) > slow_at] == ahead  # untouched past the slowest
     got = consume(database_url, "slow", tmp_path / "slow", batch_size=3)
@@ -106,7 +122,7 @@ def test_consumers_after_a_prune_get_every_trajectory_exactly_once(database_url:
     landscape(database_url)
     before = consume(database_url, "control", tmp_path / "control", batch_size=2)
     before_groups = consume(database_url, "control-groups", tmp_path / "control-groups", complete_groups=True)
-    assert prune(database_url).dead == 4
+    assert settled_prune(database_url).dead == 4
 
     bump(database_url, "b.0.1", 2)  # a replacement after the prune: a new entry, delivered to everybody
     want = sorted(set(STORED) - {("b.0.1", 1)} | {("b.0.1", 2)})
@@ -134,7 +150,7 @@ def test_an_older_xid_can_carry_the_newer_version(database_url: str, tmp_path: P
     assert entries == [("o.0.0", 1), ("o.0.0", 3), ("o.0.0", 2)]  # the stored version's entry is not the last
     assert consume(database_url, "a", tmp_path / "a") == [("o.0.0", 3)]
 
-    assert prune(database_url).dead == 2
+    assert settled_prune(database_url).dead == 2
     assert [(e[2], e[3]) for e in feed(database_url)] == [("o.0.0", 3)]
     assert consume(database_url, "new", tmp_path / "new") == [("o.0.0", 3)]
 
@@ -146,16 +162,16 @@ def test_age_retention_keeps_what_a_lagging_consumer_needs(database_url: str, tm
     consume(database_url, "fast", tmp_path / "fast")
     consume(database_url, "slow", tmp_path / "slow", batch_size=2, steps=1)
 
-    assert prune(database_url).deleted == 0  # without --older-than live entries stay
-    dry = prune(database_url, older_than=dt.timedelta(days=7), dry_run=True)
+    assert settled_prune(database_url).deleted == 0  # without --older-than live entries stay
+    dry = settled_prune(database_url, older_than=dt.timedelta(days=7), dry_run=True)
     assert (dry.dead, dry.aged, dry.dry_run) == (0, 2, True) and len(feed(database_url)) == 5
-    res = prune(database_url, older_than=dt.timedelta(days=7))
+    res = settled_prune(database_url, older_than=dt.timedelta(days=7))
     assert (res.dead, res.aged) == (0, 2)  # only the two entries "slow" has passed
     got = consume(database_url, "slow", tmp_path / "slow", batch_size=2)
     assert sorted(got) == [("new.0.0", 1), ("old.0.0", 1), ("old.0.1", 1), ("old.1.0", 1), ("old.1.1", 1)]
 
-    assert prune(database_url, older_than=dt.timedelta(days=7)).aged == 2
-    assert prune(database_url, older_than=dt.timedelta(days=30)).deleted == 0
+    assert settled_prune(database_url, older_than=dt.timedelta(days=7)).aged == 2
+    assert settled_prune(database_url, older_than=dt.timedelta(days=30)).deleted == 0
     assert [e[2] for e in feed(database_url)] == ["new.0.0"]
     # A new consumer starting at the earliest now begins later; the one-shot export still reads everything.
     assert consume(database_url, "late", tmp_path / "late") == [("new.0.0", 1)]
@@ -183,7 +199,7 @@ def test_a_prune_while_a_read_is_open_does_not_break_it(database_url: str, tmp_p
     got = delivered(out)
     assert len(got) == len(set(got))
     assert sorted(got) == sorted([*STORED, ("b.0.1", 2)])
-    assert prune(database_url).dead == 4  # b.1.1@1, b.1.1@2, b.2.0@1 and now b.0.1@1
+    assert settled_prune(database_url).dead == 4  # b.1.1@1, b.1.1@2, b.2.0@1 and now b.0.1@1
 
 
 def test_entries_at_or_above_the_snapshot_xmin_stay(database_url: str) -> None:
@@ -192,16 +208,18 @@ def test_entries_at_or_above_the_snapshot_xmin_stay(database_url: str) -> None:
     seed_batch(database_url, "x", [[Traj()]])
     open_tx = psycopg.connect(libpq_url(database_url))
     try:
-        open_tx.execute("SELECT pg_current_xact_id()")  # holds the xmin of every later snapshot
+        row = open_tx.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()  # holds every later xmin
+        assert row is not None
         bump(database_url, "x.0.0", 2)
         bump(database_url, "x.0.0", 3)  # x.0.0@1 and x.0.0@2 are dead; @2 was written above the xmin
+        xmin_reaches(database_url, int(row[0]))
         res = prune(database_url)
         assert (res.dead, res.consumers, res.horizon) == (1, 0, None)  # only x.0.0@1, written before it began
         assert [(e[2], e[3]) for e in feed(database_url)] == [("x.0.0", 2), ("x.0.0", 3)]
     finally:
         open_tx.rollback()
         open_tx.close()
-    assert prune(database_url).dead == 1
+    assert settled_prune(database_url).dead == 1
     assert [(e[2], e[3]) for e in feed(database_url)] == [("x.0.0", 3)]
 
 
@@ -210,7 +228,7 @@ def test_one_prune_at_a_time(database_url: str) -> None:
         holder.execute("SELECT pg_advisory_lock(hashtextextended('rollout-feed-prune', 0))")
         with pytest.raises(RetentionError, match="another"):
             prune(database_url)
-    assert prune(database_url).deleted == 0
+    assert settled_prune(database_url).deleted == 0
 
 
 def rollout(*args: str) -> subprocess.CompletedProcess[str]:

@@ -12,12 +12,13 @@ import pytest
 from typer.testing import CliRunner
 
 from rollout_ledger.cli.main import app
-from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec, group_advantages
+from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec
 from rollout_ledger.client.selection import BeyondStaleness, RewardChoice, Selection
 from rollout_ledger.client.source import connect, connect_arrow, fetch
 from rollout_ledger.services.exporter.export import export
 from rollout_ledger.services.exporter.retention import lag_query, stored_selection
 from rollout_ledger.services.exporter.rewards import RewardError, RewardInput, rescore, resolve
+from tests.advantages_reference import group_advantages
 from tests.integration.export_data import Traj, run, seed_batch
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec
 from rollout_ledger.client.selection import Selection, stream_query
 from rollout_ledger.client.source import _rendered, connect, connect_arrow, fetch, stream
 from rollout_ledger.shared.errors import StoreError
+from tests.helpers import wait_for
 from tests.integration.export_data import Traj, run, seed_batch
 
 
@@ -83,10 +83,9 @@ def test_a_consumer_that_stops_early_releases_the_connection(database_url: str, 
     rows.close()
     query = ("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'rollout-exporter' "
              "AND pid <> pg_backend_pid()")
-    deadline = time.monotonic() + 5  # a backend leaves pg_stat_activity once its process has exited
-    while run(database_url, query) != [(0,)] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert run(database_url, query) == [(0,)]
+    # a backend leaves pg_stat_activity once its process has exited
+    wait_for(lambda: run(database_url, query) == [(0,)], 5, "the exporter's backend to leave pg_stat_activity",
+             interval_s=0.05)
 
 
 def test_the_token_arrays_are_fetched_by_address_after_the_keys_are_ordered(database_url: str,

@@ -41,18 +41,10 @@ from rollout_ledger.shared.subjects import (
     event_subject,
     infer_worker_subject,
 )
+from tests.helpers import until
 
 HEARTBEAT_FIELDS = {"worker_id", "subject", "inflight", "capacity", "weight_version", "engine", "draining", "swapping",
-                    "time", "every_s"}
-
-
-async def until(cond: Callable[[], bool], within_s: float = 10.0, what: str = "condition") -> None:
-    """Poll ``cond`` until it holds or ``within_s`` has passed."""
-    deadline = time.monotonic() + within_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+                    "time", "every_s", "reconnects"}
 
 
 class Heartbeats:

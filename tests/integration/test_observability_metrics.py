@@ -22,7 +22,7 @@ from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.events import EpisodeFailed, FailureClass, decode, encode
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import ENV_WORKERS_BUCKET, WORK_STREAM, event_subject, work_consumer
-from tests.helpers import Sql
+from tests.helpers import Sql, until
 from tests.integration.test_admission import push, serve
 from tests.integration.test_recorder import (
     _metric,
@@ -32,7 +32,6 @@ from tests.integration.test_recorder import (
     recorder,
     seed_episodes,
     settings_for,
-    until,
 )
 from tests.integration.test_scheduler_api import Api, body, make_settings, register_env, running
 

@@ -22,7 +22,7 @@ from rollout_ledger.services.envs.base import EnvContext
 from rollout_ledger.services.envs.openenv_remote import OpenEnvEndpoint, OpenEnvEnv, SessionPool, ws_url
 from rollout_ledger.services.envs.remote import RemoteConfig
 from rollout_ledger.shared.errors import EnvError
-from tests.helpers import AUTH, Sql
+from tests.helpers import AUTH, Sql, until
 from tests.integration.test_pipeline import check_token_exact
 from tests.integration.test_remote_env import counts, failures, submit, wait_done
 from tests.openenv_server import OpenEnvServer, openenv_python
@@ -91,8 +91,8 @@ async def test_a_server_at_capacity_is_retried_until_its_session_frees(echo_serv
         retries: list[int] = []
         env = _env(echo_server.url, retries=retries)
         reset = asyncio.create_task(env.reset({}))
-        await asyncio.sleep(0.5)
-        assert not reset.done() and retries  # refused (CAPACITY_REACHED), retried with backoff
+        await until(lambda: len(retries) >= 2, 10, "two retries of the refused reset")
+        assert not reset.done()  # refused (CAPACITY_REACHED), retried with backoff
         await other.send(json.dumps({"type": "close"}))
     assert (await asyncio.wait_for(reset, 10))[0]["role"] == "user"
     assert (await env.step("hi")).reward == pytest.approx(0.2)

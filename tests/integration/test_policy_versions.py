@@ -16,16 +16,16 @@ from typer.testing import CliRunner
 
 from rollout_ledger.cli.main import app as cli_app
 from rollout_ledger.cli.stack.supervisor import Stack
-from rollout_ledger.services.scheduler import policy
+from rollout_ledger.services.scheduler import policy_registry
 from rollout_ledger.shared.db import episodes, policy_versions, policy_worker_states, turns
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState
 from rollout_ledger.shared.subjects import POLICY_BUCKET, POLICY_KEY, POLICY_WORKERS_BUCKET
+from tests.helpers import until
 from tests.integration.test_scheduler_api import (
     TOKEN,
     Api,
     body,
-    eventually,
     make_settings,
     register_env,
     running,
@@ -89,7 +89,7 @@ async def test_the_announcement_never_moves_backwards_and_a_retry_announces_agai
     kv = await api.js.key_value(POLICY_BUCKET)
     assert (await api.client.post("/v1/policy/versions", json={"version": 5, "checkpoint": CKPT})).status_code == 201
     older = PolicyAnnouncement(version=4, checkpoint="/old")
-    assert await policy.announce(kv, older) is False, "a late, older announcement loses"
+    assert await policy_registry.announce(kv, older) is False, "a late, older announcement loses"
     assert (await current(api.js)).version == 5
     await kv.delete(POLICY_KEY)  # as if the first POST's announcement had never reached the bus
     retry = await api.client.post("/v1/policy/versions", json={"version": 5, "checkpoint": CKPT})
@@ -127,7 +127,7 @@ async def test_policy_shows_workers_and_episodes_in_flight_per_version(api: Api)
                 policy_worker_states.c.worker_id == "inf-1", policy_worker_states.c.version == 2))).first()
         return row is not None and row.state == "loading"
 
-    await eventually(mirrored, what="the report mirrored into policy_worker_states")
+    await until(mirrored, what="the report mirrored into policy_worker_states")
     served = report.model_copy(update={"state": WorkerPolicyState.SERVING, "serving": 2,
                                        "time": datetime.now(UTC)})
     await workers_kv.put("inf-1", orjson.dumps(served.model_dump(mode="json")))
@@ -138,7 +138,7 @@ async def test_policy_shows_workers_and_episodes_in_flight_per_version(api: Api)
                 policy_worker_states.c.worker_id == "inf-1", policy_worker_states.c.version == 2))).first()
         return row is not None and row.state == "serving"
 
-    await eventually(serving, what="the newer report to replace the older one")
+    await until(serving, what="the newer report to replace the older one")
     # the bucket keeps one value per worker, so a watcher can miss the explicit "retired" report of version 2:
     # serving version 3 retires it all the same
     moved = WorkerPolicyReport(worker_id="inf-1", serving=3, version=3, state=WorkerPolicyState.SERVING,
@@ -151,7 +151,7 @@ async def test_policy_shows_workers_and_episodes_in_flight_per_version(api: Api)
                 policy_worker_states.c.worker_id == "inf-1").order_by(policy_worker_states.c.version))).all()
         return [tuple(r) for r in rows] == [(2, "retired"), (3, "serving")]
 
-    await eventually(retired, what="version 2 retired once version 3 serves")
+    await until(retired, what="version 2 retired once version 3 serves")
 
 
 async def test_announcing_needs_the_write_token_when_one_is_set(nats_url: str, database_url: str,

@@ -54,7 +54,8 @@ def test_a_running_group_is_not_taken_and_holds_nothing_back(database_url: str) 
         run(database_url, "UPDATE episodes SET status = 'completed' WHERE id = 'rh.0.1'")
         cols = ("batch_id, group_id, env, attempt, status, reward, token_ids, loss_mask, logprobs, weight_versions, "
                 "action_ranges, prompt_len, num_tokens, num_sampled_tokens, num_turns, segments, num_segments")
-        run(database_url, f"INSERT INTO trajectories (episode_id, {cols}) SELECT 'rh.0.1', {cols} FROM trajectories "
+        run(database_url, f"INSERT INTO trajectories (episode_id, episode_created_at, {cols}) SELECT 'rh.0.1', "
+                          f"(SELECT created_at FROM episodes WHERE id = 'rh.0.1'), {cols} FROM trajectories "
                           "WHERE episode_id = 'rh.0.0'")
         got = reader.read_groups(1, timeout_s=0)
         assert got is not None and groups_of(got) == ["rh.0"] and len(got) == 2

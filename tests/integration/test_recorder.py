@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,26 +37,12 @@ from rollout_ledger.shared.events import (
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.runtime import Shutdown
 from rollout_ledger.shared.subjects import EVENTS_STREAM, RECORDER_CONSUMER, WORK_STREAM, event_subject
-from tests.helpers import Sql
+from tests.helpers import Sql, metric_async, publish_event, until
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2]
 
 
 # --- helpers shared with test_recorder_process.py -----------------------------------------------------------------
-
-async def until(cond: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Await ``cond`` until truthy (it may be sync or async); fail naming ``what`` after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if asyncio.iscoroutine(last):
-            last = await last
-        if last:
-            return last
-        await asyncio.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last value: {last!r}")
-
 
 def seed_episodes(sql: Sql, batch_id: str, num_tasks: int = 1, group_size: int = 1, env: str = "echo") -> list[str]:
     """Insert the batch and episode rows the way the scheduler does before publishing work."""
@@ -124,7 +109,7 @@ def env_failed(episode_id: str, batch_id: str, seq: int, reason: str, num_turns:
 async def publish(nc: bus.NATS, events: Sequence[BaseModel]) -> None:
     js = nc.jetstream()
     for ev in events:
-        await bus.publish_event(js, ev)
+        await publish_event(js, ev)
 
 
 def settings_for(nats_url: str, database_url: str, **kw: Any) -> RecorderSettings:
@@ -299,18 +284,8 @@ async def test_terminal_before_its_turns_is_assembled_once_they_arrive(nc: bus.N
 
 
 async def _metric(settings: RecorderSettings, name: str, labels: dict[str, str] | None = None) -> float:
-    """Like tests.helpers.metric, without blocking the loop the in-process recorder serves from."""
-    async with httpx.AsyncClient() as client:
-        text = (await client.get(f"http://127.0.0.1:{settings.http_port}/metrics", timeout=5)).text
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if line.startswith("#") or head.split("{", 1)[0] != name:
-            continue
-        if labels and not all(f'{k}="{v}"' in head for k, v in labels.items()):
-            continue
-        total += float(value)
-    return total
+    """A metric of the in-process recorder (read without blocking the loop it serves from)."""
+    return await metric_async(f"http://127.0.0.1:{settings.http_port}", name, labels)
 
 
 async def test_failed_episode_keeps_partial_trajectory_with_null_reward(nc: bus.NATS, nats_url: str,
@@ -353,7 +328,13 @@ async def test_postgres_down_loses_nothing(nc: bus.NATS, nats_url: str) -> None:
                     return (await client.get(readyz, timeout=2)).status_code == 503
 
             await until(not_ready, 20, "/readyz 503 while Postgres is down")
-            await asyncio.sleep(1.0)  # several retries while down: the batch must stay unacked
+            retried = await _metric(settings, "rollout_recorder_store_retries_total") + 3
+
+            async def retried_while_down() -> bool:
+                return await _metric(settings, "rollout_recorder_store_retries_total") >= retried
+
+            await until(retried_while_down, 20, "three more store retries while Postgres is down")
+            # ... and the batch they retried stays unacked
             info = await nc.jetstream().consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
             assert info.num_ack_pending > 0
             await asyncio.to_thread(pg.start)
@@ -379,7 +360,7 @@ async def test_max_deliveries_advisory_fails_the_episode(nc: bus.NATS, nats_url:
     item = EpisodeRequested(event_id=f"{ep}:requested", episode_id=ep, batch_id="adv", attempt=1, seq=0,
                             produced_by="scheduler/s1", env="echo", task={"q": 1}, group_id="adv.0", group_index=0,
                             group_size=1, sampling=SamplingParams(), max_turns=2)
-    await bus.publish_event(js, item)
+    await publish_event(js, item)
     work = await js.pull_subscribe_bind("env-workers", WORK_STREAM)
     # Two env workers "die": each delivery is handed back without an ack.
     await publish(nc, episode_events(ep, [([3], [])], terminal=False)[:1])  # attempt 1 started

@@ -27,7 +27,7 @@ from rollout_ledger.shared.subjects import (
     WORK_SUBJECT,
     event_subject,
 )
-from tests.helpers import Sql
+from tests.helpers import Sql, until
 from tests.integration.test_recorder import (
     drained,
     episode_events,
@@ -36,7 +36,6 @@ from tests.integration.test_recorder import (
     seed_episodes,
     settings_for,
     snapshot,
-    until,
 )
 
 

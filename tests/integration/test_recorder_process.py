@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.shared.kit import bus
-from tests.helpers import Sql, metric, wait_for
-from tests.integration.test_recorder import episode_events, publish, seed_episodes, until
+from tests.helpers import Sql, metric, until, wait_for
+from tests.integration.test_recorder import episode_events, publish, seed_episodes
 
 
 async def test_sigkill_mid_stream_then_restart_loses_and_duplicates_nothing(stack: Stack, nc: bus.NATS,

@@ -21,8 +21,7 @@ import nats
 
 from rollout_ledger.cli.stack.supervisor import ServiceProcess, Stack
 from rollout_ledger.shared.events import EpisodeFinished, StepCompleted, encode
-from rollout_ledger.shared.kit import bus
-from rollout_ledger.shared.subjects import event_subject
+from rollout_ledger.shared.subjects import MSG_ID_HEADER, event_subject
 from tests.helpers import AUTH, Sql, metric, wait_for
 from tests.integration.test_pipeline import check_token_exact
 
@@ -125,7 +124,7 @@ def test_env_worker_killed_mid_episode_resumes_at_the_last_recorded_turn(stack: 
             nc = await nats.connect(stack.nats_url)
             js = nc.jetstream()
             for ev in (late_step, late_end):
-                await js.publish(event_subject(ev.type), encode(ev), headers=bus.msg_id_headers(ev.event_id))
+                await js.publish(event_subject(ev.type), encode(ev), headers={MSG_ID_HEADER: ev.event_id})
             await nc.close()
 
         asyncio.run(publish_late())

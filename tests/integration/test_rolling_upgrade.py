@@ -20,6 +20,7 @@ import pytest
 
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.migrations.runner import downgrade, upgrade
+from rollout_ledger.shared.db import EXPAND_REVISION
 from rollout_ledger.shared.events import SCHEMA_VERSION, encode
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import (
@@ -30,9 +31,9 @@ from rollout_ledger.shared.subjects import (
     WORK_SUBJECT,
     event_subject,
 )
-from tests.helpers import Sql, metric
+from tests.helpers import Sql, metric, until
 from tests.integration.test_pipeline import check_token_exact, submit_and_wait
-from tests.integration.test_recorder import episode_events, seed_episodes, until
+from tests.integration.test_recorder import episode_events, seed_episodes
 
 PREVIOUS_RELEASE = "a71684c19b104cfb5aa0af25cc78d875ae45004b"
 """The last commit of the previous release: the contract the workers of the previous release speak."""
@@ -70,8 +71,9 @@ def previous(service: str) -> tuple[str, ...]:
 def test_previous_release_workers_beside_current_ones_lose_nothing(stack: Stack, database_url: str,
                                                                     tmp_path: Path) -> None:
     """The order of a real rolling upgrade: the previous release runs on its schema, the migrations Job brings the
-    database to this release's head (expand only: an old pod already running is unaffected), this release's pods
-    start beside the old ones, and a batch runs across both generations.
+    database to this release's expand revision (an old pod already running is unaffected), this release's pods
+    start beside the old ones, and a batch runs across both generations. Then the old pods are gone, the contract
+    revision partitions trajectories under the running new pods, and a batch runs on them.
 
     The batch goes through the previous release's scheduler, which queues work on the single subject
     ``rl.work.episodes``: this release's env workers pull that subject too (routing's legacy consumer), so both
@@ -86,9 +88,9 @@ def test_previous_release_workers_beside_current_ones_lose_nothing(stack: Stack,
     old_env = stack.start("env-worker", name="env-old", command=previous("env-worker"), PYTHONPATH=old,
                           ROLLOUT_CONCURRENCY="4", ROLLOUT_FETCH_BATCH="1")
     # the previous release predates the per-service logins (migration 0012): its pods keep the DSN they ran with
-    stack.start("recorder", name="recorder-old", command=previous("recorder"), PYTHONPATH=old,
-                ROLLOUT_BATCH_SIZE="16", DATABASE_URL=database_url)
-    upgrade(database_url)  # the migrations Job of this release
+    old_recorder = stack.start("recorder", name="recorder-old", command=previous("recorder"), PYTHONPATH=old,
+                               ROLLOUT_BATCH_SIZE="16", DATABASE_URL=database_url)
+    upgrade(database_url, EXPAND_REVISION)  # the migrations Job of this release (docs/deploy.md, "Upgrading")
     new_inf = stack.start("inference-worker", name="inference-new", ROLLOUT_ENGINE="fake",
                           ROLLOUT_FAKE_DELAY_S="0.01")
     new_env = stack.start("env-worker", name="env-new", ROLLOUT_CONCURRENCY="4", ROLLOUT_FETCH_BATCH="1")
@@ -120,6 +122,20 @@ def test_previous_release_workers_beside_current_ones_lose_nothing(stack: Stack,
         inference = {r["worker_id"] for r in sql.rows("select distinct worker_id from turns")}
         assert inference == {"inference-new", "inference-old"}, "both generations of inference workers served"
         for proc in (new_inf, old_inf, new_env, old_env, old_scheduler):
+            assert proc.alive, f"{proc.name} died"
+
+        # the rollout is done: no pod of the previous release runs; the contract revision, under the new pods
+        for proc in (old_scheduler, old_env, old_inf, old_recorder):
+            assert proc.stop() == 0, f"{proc.name} did not drain"
+        upgrade(database_url)
+        assert sql.scalar("select relkind from pg_class where oid = 'trajectories'::regclass") == "p"
+        after = submit_and_wait(url, timeout_s=60, env="guess-number", tasks=[{"seed": i} for i in range(4)],
+                                group_size=2, max_turns=4, sampling={"temperature": 1.0, "max_tokens": 16})
+        assert after["num_episodes"] == 8 and after["done"]
+        assert check_token_exact(sql, str(after["batch_id"])) == 8
+        assert sql.scalar("select count(*) from trajectories") == 64
+        assert sql.scalar("select count(*) from dead_letters") == 0
+        for proc in (new_inf, new_env):
             assert proc.alive, f"{proc.name} died"
     finally:
         sql.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rollout_ledger.migrations.runner import downgrade
-from rollout_ledger.services.scheduler import store
+from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.app import create_app
 from rollout_ledger.services.scheduler.planning import plan_episodes, request_hash
 from rollout_ledger.services.scheduler.schemas import BatchCreate
@@ -37,6 +37,7 @@ from rollout_ledger.shared.subjects import (
     env_key,
     work_subject,
 )
+from tests.helpers import until
 
 TOKEN = "test-token-0123456789"
 READ_TOKEN = "test-read-token-0123456789"
@@ -58,16 +59,6 @@ class Api:
     def anonymous(self, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
         """A client of the same app without the token (``headers``: other credentials)."""
         return httpx.AsyncClient(transport=self.transport, base_url="http://scheduler", headers=headers)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll ``check`` until it is true or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def make_settings(nats_url: str, database_url: str, **kw: Any) -> SchedulerSettings:
@@ -207,7 +198,7 @@ async def _store_unpublished(engine: AsyncEngine, req: BatchCreate, batch_id: st
            "sampling": req.sampling.model_dump(mode="json"), "num_tasks": len(req.tasks),
            "num_episodes": len(planned), "request_hash": request_hash(req), "metadata": req.metadata}
     async with engine.begin() as conn:
-        assert await store.insert_batch(conn, row, planned) is not None
+        assert await batch_store.insert_batch(conn, row, planned) is not None
     return [p.id for p in planned]
 
 
@@ -233,7 +224,7 @@ async def test_outbox_republishes_unpublished_episodes(nats_url: str, database_u
             rows = await episode_rows(a.engine, "outboxed")
             return all(r["published_at"] is not None for r in rows)
 
-        await eventually(all_published, what="the outbox to publish 6 episodes")
+        await until(all_published, what="the outbox to publish 6 episodes")
         assert await work_count(a.js) == 6
         assert sorted(ev.episode_id for ev in await work_items(a.js, 6)) == sorted(ids)
         assert "rollout_outbox_republished_total 6.0" in (await a.client.get("/metrics")).text
@@ -394,7 +385,8 @@ def _trajectory_row(ep_id: str, batch_id: str, ids: list[int], prompt_len: int, 
     mask = [0] * len(ids)
     for a, b in ranges:
         mask[a:b] = [1] * (b - a)
-    return {"episode_id": ep_id, "batch_id": batch_id, "group_id": ep_id.rsplit(".", 1)[0], "env": "echo",
+    return {"episode_id": ep_id, "episode_created_at": datetime.now(UTC), "batch_id": batch_id,
+            "group_id": ep_id.rsplit(".", 1)[0], "env": "echo",
             "attempt": 1, "status": "completed", "reward": reward, "token_ids": ids, "loss_mask": mask,
             "logprobs": [-0.5 if m else 0.0 for m in mask], "weight_versions": [3 if m else -1 for m in mask],
             "action_ranges": ranges, "prompt_len": prompt_len, "num_tokens": len(ids),

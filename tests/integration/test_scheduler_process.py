@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 
 import httpx
+import pytest
 from sqlalchemy import func, select
 
 from rollout_ledger.cli.stack.supervisor import Stack
@@ -16,7 +16,7 @@ from rollout_ledger.shared.db import batches, create_engine, episodes
 from rollout_ledger.shared.events import dumps
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import ENVS_BUCKET, WORK_STREAM
-from tests.helpers import AUTH
+from tests.helpers import AUTH, until
 
 
 async def test_scheduler_process_serves_and_drains(stack: Stack, nc: bus.NATS) -> None:
@@ -58,8 +58,22 @@ async def test_scheduler_process_refuses_to_start_without_a_token(stack: Stack) 
     proc = stack.start("scheduler", wait=False, ROLLOUT_API_TOKEN="")
     assert proc.proc is not None
     assert await asyncio.to_thread(proc.proc.wait, 30) == 2
+    bad = [json.loads(line) for line in proc.log_path.read_text().splitlines()
+           if line.startswith("{") and '"service.bad_settings"' in line]
+    assert bad and bad[0]["service"] == "scheduler" and "ROLLOUT_API_TOKEN is not set" in bad[0]["error"], bad
+
+
+@pytest.mark.parametrize("service", ["env-worker", "inference-worker", "recorder"])
+async def test_every_service_refuses_a_bad_setting_naming_it_not_its_value(stack: Stack, service: str) -> None:
+    """The services share one main (shared/kit/service.py): a setting that does not validate ends the process with
+    exit code 2 and one log line naming the field, never the value given."""
+    proc = stack.start(service, wait=False, ROLLOUT_NATS_CONNECT_TIMEOUT_S="secret-not-a-number")
+    assert proc.proc is not None
+    assert await asyncio.to_thread(proc.proc.wait, 30) == 2
     log = proc.log_path.read_text()
-    assert "scheduler.bad_settings" in log and "ROLLOUT_API_TOKEN is not set" in log
+    bad = [json.loads(line) for line in log.splitlines() if line.startswith("{") and '"service.bad_settings"' in line]
+    assert bad and bad[0]["service"] == service and "nats_connect_timeout_s" in bad[0]["error"], log
+    assert "secret-not-a-number" not in log
 
 
 async def test_sigterm_finishes_the_request_in_flight(stack: Stack, nc: bus.NATS, database_url: str) -> None:
@@ -79,10 +93,13 @@ async def test_sigterm_finishes_the_request_in_flight(stack: Stack, nc: bus.NATS
                 async with engine.connect() as conn:
                     return (await conn.execute(select(batches.c.id).where(batches.c.id == "drain"))).first() is not None
 
-            deadline = time.monotonic() + 30
-            while not await committed():  # the batch is stored: its request is publishing (or done)
-                assert time.monotonic() < deadline and not post.done(), "the POST never committed"
-                await asyncio.sleep(0.02)
+            async def stored() -> bool:  # the batch is stored: its request is publishing (or done)
+                if await committed():
+                    return True
+                assert not post.done(), "the POST never committed"
+                return False
+
+            await until(stored, 30, "the POST to commit its batch", interval_s=0.02)
             proc.signal(signal.SIGTERM)
             r = await post
         assert r.status_code == 201, r.text

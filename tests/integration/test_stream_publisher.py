@@ -66,7 +66,7 @@ async def test_the_trace_context_rides_beside_the_msg_id(nc: bus.NATS) -> None:
         await pub.publish("step.completed", "traced-1", b"one")  # a republish: still deduplicated by its id
         cancelled = EpisodeCancelled(event_id="b.0.0:a1:end", episode_id="b.0.0", batch_id="b", attempt=1, seq=1,
                                      produced_by="test")
-        await bus.publish_event(js, cancelled, tracing=tracing)
+        await pub.publish_event(cancelled)
     ctx = span.get_span_context()
     assert (await js.stream_info(EVENTS_STREAM)).state.messages == before + 2
     for subject, msg_id in (("step.completed", "traced-1"), ("episode.cancelled", "b.0.0:a1:end")):

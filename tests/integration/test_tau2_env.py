@@ -51,10 +51,11 @@ from rollout_ledger.shared.events import (
 )
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
+from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.kit.runtime import Health, Shutdown
 from rollout_ledger.shared.resume import RecordedTurn
 from rollout_ledger.shared.subjects import EVENTS_STREAM, INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, infer_pool_subject
-from tests.helpers import until
+from tests.helpers import publish_event, until
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +106,7 @@ class ScriptedTau2Responder:
             logprobs=np.full(len(ids), -0.5, dtype=np.float32), finish_reason=FinishReason.STOP, weight_version=0,
             engine="scripted", worker_id="scripted", queue_ms=0.0, generate_ms=0.0)
         if req.record:
-            await bus.publish_event(self.js, turn)
+            await publish_event(self.js, turn)
         await self.nc.publish(msg.reply, encode(turn))
 
 
@@ -139,7 +140,9 @@ async def run_tau2_episode(nc: bus.NATS, tok: ChatTokenizer, domain: str, task_i
     envs = EnvRegistry()
     for spec in tau2_bench.specs(EnvWorkerSettings(tau2_domains=domain)):
         envs.register(spec)
-    deps = AttemptDeps(js=nc.jetstream(), client=client, envs=envs, template=TurnTemplate(tok),
+    publisher = StreamPublisher(nc)
+    await publisher.start()
+    deps = AttemptDeps(publisher=publisher, client=client, envs=envs, template=TurnTemplate(tok),
                       is_cancelled=lambda _b: False, metrics=build_metrics(), worker_id="w0", max_model_len=32768,
                       env_llm=ServedEnvLLM(client, tok), resume=resume)
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
@@ -148,6 +151,7 @@ async def run_tau2_episode(nc: bus.NATS, tok: ChatTokenizer, domain: str, task_i
     try:
         outcome = await EpisodeDriver(deps, item, attempt=attempt).run()
     finally:
+        await publisher.stop()
         await client.stop()
     js = nc.jetstream()
     info = await js.stream_info(EVENTS_STREAM)

@@ -21,6 +21,7 @@ from rollout_ledger.shared.events import InferenceRequested
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
 from rollout_ledger.shared.subjects import ENVS_BUCKET
+from tests.helpers import publish_event
 from tests.integration.policy import Policy
 from tests.integration.test_env_worker import (
     check_contract,
@@ -73,7 +74,7 @@ async def test_retail_episodes_with_a_scripted_tool_policy(stack: Stack, nc: bus
     policy.scripts[bad_then_fixed.episode_id] = ['<tool_call>{"name": "refund_everything"}</tool_call>',
                                                  "<tool_call>{oops</tool_call>", *solution(task)]
     for item in (solved, bad_then_fixed):
-        await bus.publish_event(js, item)
+        await publish_event(js, item)
 
     done = await terminal_of(js, solved.episode_id)
     assert (done.type, done.status, done.reward, done.stop_reason) == ("episode.finished", "completed", 1.0,
@@ -113,7 +114,7 @@ async def test_malformed_call_aborts_with_abort_on_error(stack: Stack, nc: bus.N
     task = build_task(5)
     item = work_item("retail-orders", {"seed": 5, "abort_on_error": True}, max_turns=12)
     policy.scripts[item.episode_id] = [solution(task)[0], format_call("get_order", {"id": 3}), *solution(task)[1:]]
-    await bus.publish_event(js, item)
+    await publish_event(js, item)
     done = await terminal_of(js, item.episode_id)
     assert (done.type, done.status, done.stop_reason, done.reward) == ("episode.finished", "aborted", "aborted", 0.0)
     assert done.num_turns == 2 and done.seq == 5 and done.info["token_check"] == "ok"

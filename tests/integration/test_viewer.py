@@ -404,11 +404,12 @@ def insert_resumed_trajectory(sql: Sql, tok: ChatTokenizer) -> dict[str, Any]:
     sql.execute("insert into attempt_resumes (episode_id, attempt, batch_id, mode, from_attempt, turns_recorded, "
                 "turns_reused, turns_unstepped, reason, produced_at) "
                 "values (:e, 2, :b, 'replay', 1, 1, 1, 1, '', now())", e=ep, b=batch)
-    sql.execute("insert into trajectories (episode_id, batch_id, group_id, env, attempt, status, reward, token_ids, "
-                "loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, num_sampled_tokens, "
-                "num_turns, segments, num_segments) values (:e, :b, :g, 'fixed-turns', 2, 'completed', 1.0, :ids, "
-                ":mask, :lps, :versions, :ranges, :plen, :n, :ns, 3, :segs, 1)",
-                e=ep, b=batch, g=f"{batch}.0", ids=ids, mask=mask, lps=[-0.5 if m else 0.0 for m in mask],
+    sql.execute("insert into trajectories (episode_id, episode_created_at, batch_id, group_id, env, attempt, status, "
+                "reward, token_ids, loss_mask, logprobs, weight_versions, action_ranges, prompt_len, num_tokens, "
+                "num_sampled_tokens, num_turns, segments, num_segments) values (:e, (select created_at from episodes "
+                "where id = :ek), :b, :g, 'fixed-turns', 2, 'completed', 1.0, :ids, :mask, :lps, :versions, :ranges, "
+                ":plen, :n, :ns, 3, :segs, 1)",
+                e=ep, ek=ep, b=batch, g=f"{batch}.0", ids=ids, mask=mask, lps=[-0.5 if m else 0.0 for m in mask],
                 versions=versions, ranges=ranges, plen=len(prompt), n=len(ids), ns=sum(mask), segs=[[0, len(ids)]])
     return {"episode_id": ep, "turn_starts": starts, "change_at": starts[1] + 3}
 

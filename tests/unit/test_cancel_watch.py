@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime
 
 from rollout_ledger.services.env_worker.cancellation import CancelWatch
-from rollout_ledger.services.scheduler.envs import mark_cancelled
+from rollout_ledger.services.scheduler.env_registry import mark_cancelled
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import CANCEL_BUCKET
+from tests.helpers import until
 
 
 async def test_only_the_schedulers_entries_cancel(nc: bus.NATS) -> None:
@@ -23,10 +23,7 @@ async def test_only_the_schedulers_entries_cancel(nc: bus.NATS) -> None:
         assert watch.cancelled == {"early"}
         await kv.put("late-garbage", b"{}")
         await mark_cancelled(kv, "late", datetime.now(UTC))
-        for _ in range(100):
-            if "late" in watch.cancelled:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: "late" in watch.cancelled, 5.0, "the watch to see the late cancel")
         assert watch.cancelled == {"early", "late"}
         assert not watch.is_cancelled("garbage") and not watch.is_cancelled("late-garbage")
     finally:

@@ -17,6 +17,7 @@ from rollout_ledger.services.envs.builtins import builtin_registry
 from rollout_ledger.shared.events import ContextPolicy, EpisodeRequested, SamplingParams, decode
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
+from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.subjects import EVENTS_STREAM
 from tests.unit.test_driver import served
 
@@ -48,14 +49,19 @@ async def test_a_window_makes_every_turn_its_own_segment(nc: bus.NATS, served: C
     tok = served
     client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5, heartbeat_timeout_s=5))
     await client.start()
-    deps = AttemptDeps(js=nc.jetstream(), client=client, envs=builtin_registry(), template=TurnTemplate(tok),
+    publisher = StreamPublisher(nc)
+    await publisher.start()
+    deps = AttemptDeps(publisher=publisher, client=client, envs=builtin_registry(), template=TurnTemplate(tok),
                       is_cancelled=lambda _b: False, metrics=build_metrics(), worker_id="w0")
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
                             produced_by="test", env="fixed-turns", task={"turns": 4}, group_id="b.0",
                             group_index=0, group_size=1, sampling=SamplingParams(max_tokens=16), max_turns=4,
                             context=ContextPolicy(policy="window", window_turns=1))
-    outcome = await EpisodeDriver(deps, item, attempt=1).run()
-    await client.stop()
+    try:
+        outcome = await EpisodeDriver(deps, item, attempt=1).run()
+    finally:
+        await publisher.stop()
+        await client.stop()
     js = nc.jetstream()
     info = await js.stream_info(EVENTS_STREAM)
     events = sorted([decode((await js.get_msg(EVENTS_STREAM, s)).data or b"")

@@ -33,7 +33,9 @@ from rollout_ledger.shared.events import (
 )
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
+from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.subjects import EVENTS_STREAM, INFER_ANY, INFER_QUEUE, event_subject
+from tests.helpers import publish_event
 
 ANSWERS = ["Hello there.", "A longer answer that will be cut", "Fine."]
 
@@ -57,7 +59,7 @@ async def served(nc: bus.NATS, model_dir: str) -> AsyncIterator[ChatTokenizer]:
             logprobs=np.zeros(len(ids), dtype=np.float32),
             finish_reason=FinishReason.LENGTH if cut else FinishReason.STOP, weight_version=0, engine="test",
             worker_id="w", queue_ms=0.0, generate_ms=0.0)
-        await bus.publish_event(js, turn)
+        await publish_event(js, turn)
         await nc.publish(msg.reply, encode(turn))
 
     sub = await nc.subscribe(INFER_ANY, queue=INFER_QUEUE, cb=on_request)
@@ -71,13 +73,18 @@ async def run_episode(nc: bus.NATS, tok: ChatTokenizer, env: str, task: dict[str
                       sampling: SamplingParams | None = None) -> tuple[Any, list[Event]]:
     client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5, heartbeat_timeout_s=5))
     await client.start()
-    deps = AttemptDeps(js=nc.jetstream(), client=client, envs=envs or builtin_registry(), template=TurnTemplate(tok),
+    publisher = StreamPublisher(nc)
+    await publisher.start()
+    deps = AttemptDeps(publisher=publisher, client=client, envs=envs or builtin_registry(), template=TurnTemplate(tok),
                       is_cancelled=lambda _b: cancelled, metrics=build_metrics(), worker_id="w0")
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
                             produced_by="test", env=env, task=task, group_id="b.0", group_index=0, group_size=1,
                             sampling=sampling or SamplingParams(max_tokens=16), max_turns=max_turns)
-    outcome = await EpisodeDriver(deps, item, attempt=1).run()
-    await client.stop()
+    try:
+        outcome = await EpisodeDriver(deps, item, attempt=1).run()
+    finally:
+        await publisher.stop()
+        await client.stop()
     js = nc.jetstream()
     info = await js.stream_info(EVENTS_STREAM)
     events = [decode((await js.get_msg(EVENTS_STREAM, s)).data or b"")
@@ -182,7 +189,9 @@ async def test_a_step_whose_ack_was_lost_is_published_again_not_the_attempt(nc: 
     """A step published as NATS went down never gets its ack: before the terminal event it is published once more
     (same Nats-Msg-Id) instead of handing the whole attempt back to be generated again."""
     client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=5, heartbeat_timeout_s=5))
-    deps = AttemptDeps(js=nc.jetstream(), client=client, envs=builtin_registry(), template=TurnTemplate(served),
+    publisher = StreamPublisher(nc, ack_timeout_s=0.3)
+    await publisher.start()
+    deps = AttemptDeps(publisher=publisher, client=client, envs=builtin_registry(), template=TurnTemplate(served),
                       is_cancelled=lambda _b: False, metrics=build_metrics(), worker_id="w0", publish_timeout_s=0.3)
     item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
                             produced_by="test", env="fixed-turns", task={"turns": 1}, group_id="b.0", group_index=0,
@@ -194,7 +203,10 @@ async def test_a_step_whose_ack_was_lost_is_published_again_not_the_attempt(nc: 
                          terminated=True, truncated=False)
     lost: asyncio.Future[Any] = asyncio.get_running_loop().create_future()  # the ack that never comes
     driver._pending_acks.append((lost, step))
-    await driver.flush()
+    try:
+        await driver.flush()
+    finally:
+        await publisher.stop()
     js = nc.jetstream()
     stored = await js.get_msg(EVENTS_STREAM, subject=event_subject("step.completed"))
     assert decode(stored.data or b"").event_id == "b.0.0:a1:s0"

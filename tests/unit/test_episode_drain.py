@@ -30,6 +30,7 @@ from rollout_ledger.shared.policy import (
     workers_behind,
 )
 from rollout_ledger.shared.subjects import BUCKET_TTL_S, POLICY_ENV_BUCKET, POLICY_WORKERS_BUCKET
+from tests.helpers import until
 
 S = WorkerPolicyState
 E = EnvPolicyState
@@ -135,8 +136,8 @@ async def test_the_gate_closes_for_a_drain_reports_drained_and_opens_once_every_
         gate.finished()
         await asyncio.sleep(0.05)
         assert gate.state is E.DRAINED and gate.drained_for == 1 and gate.current_report().drained_for == 1
-        _serving(gate, "inf-1", 1)
-        await asyncio.sleep(0.05)
+        _serving(gate, "inf-1", 1)  # wakes the gate's supervisor, which clears the wake before it waits again
+        await until(lambda: not gate._wake.is_set(), 2, "the gate to re-check after inf-1's report")
         assert not gate.is_open, "inf-2 does not serve 1 yet"
         _serving(gate, "inf-2", 1, state=S.SERVING)
         assert await asyncio.wait_for(held, 2), "the held item starts"

@@ -9,13 +9,14 @@ import pyarrow as pa
 import pytest
 
 from rollout_ledger.client import tables
-from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec, group_advantages
+from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec
 from rollout_ledger.client.records import SCHEMAS, Span, Unit, json_fields, spans
 from rollout_ledger.client.rows import Chunk, rebuild_sampled, sampled_of, spread
 from rollout_ledger.client.selection import RewardChoice, Selection
 from rollout_ledger.client.tables import records
 from rollout_ledger.services.recorder.assembly import StepRecord, Trajectory, TurnRecord, assemble
 from rollout_ledger.shared.errors import SchemaError
+from tests.advantages_reference import group_advantages
 
 
 def two_segment_row() -> dict:

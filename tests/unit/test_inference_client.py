@@ -30,6 +30,7 @@ from rollout_ledger.shared.events import (
 )
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, event_subject, infer_worker_subject
+from tests.helpers import until
 
 BEAT_S = 0.1
 """The in-test workers' heartbeat interval (the client fixture's timeout is 0.5 s: five beats)."""
@@ -128,14 +129,6 @@ async def client(nc: bus.NATS) -> Any:
     await c.stop()
 
 
-async def until(cond: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
 async def test_no_worker_known_goes_to_infer_any(nc: bus.NATS, client: InferenceClient) -> None:
     anon = await Responder(nc, "anon", join_any=True).start(heartbeat=False)
     turn = await client.generate(request_builder())
@@ -147,7 +140,7 @@ async def test_no_worker_known_goes_to_infer_any(nc: bus.NATS, client: Inference
 async def test_sticky_then_least_loaded_and_draining(nc: bus.NATS, client: InferenceClient) -> None:
     w1 = await Responder(nc, "w1").start()
     w2 = await Responder(nc, "w2").start()
-    await until(lambda: set(client.workers) == {"w1", "w2"})
+    await until(lambda: set(client.workers) == {"w1", "w2"}, 5.0)
     for _ in range(3):
         assert (await client.generate(request_builder(), prefer="w2")).worker_id == "w2"
     assert len(w2.requests) == 3 and not w1.requests
@@ -160,7 +153,7 @@ async def test_sticky_then_least_loaded_and_draining(nc: bus.NATS, client: Infer
     client.workers["w2"].local_inflight = 0
     # a draining worker gets no new requests, even when it is the sticky one
     w2.draining = True
-    await until(lambda: client.workers["w2"].draining)
+    await until(lambda: client.workers["w2"].draining, 5.0)
     assert (await client.generate(request_builder(), prefer="w2")).worker_id == "w1"
     await w1.stop()
     await w2.stop()
@@ -169,10 +162,10 @@ async def test_sticky_then_least_loaded_and_draining(nc: bus.NATS, client: Infer
 async def test_failover_when_heartbeats_stop(nc: bus.NATS, client: InferenceClient) -> None:
     hung = await Responder(nc, "hung", mode="silent").start()
     good = await Responder(nc, "good").start()
-    await until(lambda: set(client.workers) == {"hung", "good"})
+    await until(lambda: set(client.workers) == {"hung", "good"}, 5.0)
     started = time.monotonic()
     task = asyncio.create_task(client.generate(request_builder(), prefer="hung"))
-    await until(lambda: len(hung.requests) == 1)
+    await until(lambda: len(hung.requests) == 1, 5.0)
     hung.stop_heartbeats()
     turn = await task
     elapsed = time.monotonic() - started
@@ -188,7 +181,7 @@ async def test_a_stalled_loop_reaps_no_live_worker(nc: bus.NATS, client: Inferen
     """This client's own loop blocked for twice the heartbeat timeout: the beats of that time are unread when the
     reaper wakes, late. It excuses the workers instead of failing over a live one's turns."""
     live = await Responder(nc, "live").start()
-    await until(lambda: "live" in client.workers)
+    await until(lambda: "live" in client.workers, 5.0)
     with capture_logs() as logs:
         time.sleep(1.0)  # noqa: ASYNC251 -- blocking this event loop (the client's, and the responder's) is the point
         await asyncio.sleep(0.3)
@@ -203,11 +196,11 @@ async def test_a_heartbeat_timeout_close_to_the_interval_is_warned_once(nc: bus.
                                                                           client: InferenceClient) -> None:
     with capture_logs() as logs:
         steady = await Responder(nc, "steady").start()
-        await until(lambda: "steady" in client.workers)
+        await until(lambda: "steady" in client.workers, 5.0)
         await steady.beat()
         await nc.publish(INFER_HEARTBEAT, dumps({"worker_id": "slow", "subject": infer_worker_subject("slow"),
                                                  "every_s": 0.4}))
-        await until(lambda: "slow" in client.workers)
+        await until(lambda: "slow" in client.workers, 5.0)
         await nc.publish(INFER_HEARTBEAT, dumps({"worker_id": "slow", "subject": infer_worker_subject("slow"),
                                                  "every_s": 0.4}))
         await nc.flush()
@@ -221,9 +214,9 @@ async def test_failover_on_no_responders_and_retryable_errors(nc: bus.NATS, clie
     ghost = Responder(nc, "ghost")  # heartbeats but nobody listens on its subject
     await ghost.beat()
     flaky = await Responder(nc, "flaky", mode="retryable").start()
-    await until(lambda: {"ghost", "flaky"} <= set(client.workers))
+    await until(lambda: {"ghost", "flaky"} <= set(client.workers), 5.0)
     good = await Responder(nc, "good").start()
-    await until(lambda: "good" in client.workers)
+    await until(lambda: "good" in client.workers, 5.0)
     client.workers["good"].local_inflight = 100  # least preferred: tried last
     client.workers["flaky"].local_inflight = 1
     turn = await client.generate(request_builder(), prefer="ghost")
@@ -237,7 +230,7 @@ async def test_failover_on_no_responders_and_retryable_errors(nc: bus.NATS, clie
 async def test_non_retryable_error_fails_at_once(nc: bus.NATS, client: InferenceClient) -> None:
     bad = await Responder(nc, "bad", mode="fatal").start()
     await Responder(nc, "good").start()
-    await until(lambda: {"bad", "good"} <= set(client.workers))
+    await until(lambda: {"bad", "good"} <= set(client.workers), 5.0)
     with pytest.raises(InferenceError) as info:
         await client.generate(request_builder(), prefer="bad")
     assert info.value.retryable is False and "EngineError" in str(info.value)
@@ -257,7 +250,7 @@ async def test_request_timeout_counts_as_a_try(nc: bus.NATS) -> None:
                                                   heartbeat_timeout_s=30.0))
     await c.start()
     slow = await Responder(nc, "slow", mode="silent").start()
-    await until(lambda: "slow" in c.workers)
+    await until(lambda: "slow" in c.workers, 5.0)
     started = time.monotonic()
     with pytest.raises(InferenceError):
         await c.generate(request_builder())
@@ -272,10 +265,10 @@ async def test_a_reply_lost_in_a_nats_restart_is_read_back_from_the_stream(nc: b
     """After a NATS restart the tries still waiting are answered from their stored turn, not tried again (a second
     try would generate the turn twice)."""
     worker = await Responder(nc, "w-lost", mode="lost_reply").start()
-    await until(lambda: "w-lost" in client.workers)
+    await until(lambda: "w-lost" in client.workers, 5.0)
     since = time.time()
     pending = asyncio.create_task(client.generate(request_builder(turn=7)))
-    await until(lambda: len(worker.requests) == 1)
+    await until(lambda: len(worker.requests) == 1, 5.0)
     assert await client.recover(since, grace_s=0.0) == 1
     turn = await asyncio.wait_for(pending, 5)
     assert turn.request_id == "b.0.0:a1:t7:r1" and turn.worker_id == "w-lost"
@@ -287,10 +280,10 @@ async def test_a_turn_stored_after_the_restart_is_read_back_too(nc: bus.NATS, cl
     """A generation that ends after the restart: its reply is refused (the restarted server does not know the
     request any more), its turn is stored; the recovery, already reading, answers the try with it."""
     worker = await Responder(nc, "w-late", mode="silent").start()
-    await until(lambda: "w-late" in client.workers)
+    await until(lambda: "w-late" in client.workers, 5.0)
     since = time.time()
     pending = asyncio.create_task(client.generate(request_builder(turn=8)))
-    await until(lambda: len(worker.requests) == 1)
+    await until(lambda: len(worker.requests) == 1, 5.0)
     recovery = asyncio.create_task(client.recover(since, grace_s=0.0))
     await asyncio.sleep(0.5)  # the recovery reads the stream: nothing for this try yet
     worker.mode = "lost_reply"

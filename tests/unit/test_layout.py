@@ -1,6 +1,7 @@
 """The layout shows the architecture, and stays that way: the import graph of the project's modules (read from the
 source with ``ast``, lazy imports inside functions included) has no cycles, ``shared/`` imports no service, a service
-imports no other service (the env library ``services/envs/`` and the catalog are shared), the client package
+imports no other service (the catalog is shared by all, the env library ``services/envs/`` by the services that run
+or read envs, and neither imports any service), the client package
 ``client/`` imports only itself and ``shared/`` (the exporter, which writes its feed to files, is the one service that
 imports it), only the CLI imports ``cli/``, and the agent endpoint's session speaks no wire protocol (its dialects are
 modules of their own, and the agent runtime is a room of its own beside the endpoint)."""
@@ -15,7 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPS = ("cli", "client", "shared", "services", "migrations")
-SHARED_BETWEEN_SERVICES = {"envs", "catalog"}
+SHARED_BETWEEN_SERVICES = {"catalog"}
+"""Service areas any service may import."""
+ENV_LIBRARY = "envs"
+ENV_LIBRARY_USERS = {"env_worker", "envserver", "exporter"}
+"""The services that may import the env library: the env worker and the env server run its envs; the exporter reads
+tool calls with its parser (atif.py)."""
 
 
 def _module_name(path: Path) -> str:
@@ -98,8 +104,10 @@ def test_imports_respect_the_boundaries(module: str) -> None:
         dep_top, dep_area = _area(dep)
         if top == "shared":
             assert dep_top == "shared", f"{module} (the contract/kit) imports {dep}"
-        if top == "services" and dep_top == "services" and area not in SHARED_BETWEEN_SERVICES:
-            assert dep_area in (area, *SHARED_BETWEEN_SERVICES), f"service module {module} imports {dep}"
+        if top == "services" and dep_top == "services" and dep_area != area:
+            assert area not in (ENV_LIBRARY, *SHARED_BETWEEN_SERVICES), f"shared service module {module} imports {dep}"
+            allowed = {*SHARED_BETWEEN_SERVICES, *([ENV_LIBRARY] if area in ENV_LIBRARY_USERS else [])}
+            assert dep_area in allowed, f"service module {module} imports {dep}"
         if top != "cli":
             assert dep_top != "cli", f"{module} imports the CLI package ({dep})"
         if top == "client":

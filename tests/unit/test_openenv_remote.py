@@ -32,6 +32,7 @@ from rollout_ledger.services.envs.openenv_remote import (
 )
 from rollout_ledger.services.envs.remote import RemoteConfig
 from rollout_ledger.shared.errors import EnvError
+from tests.helpers import until
 
 Frame = dict[str, Any]
 Reply = Callable[[ServerConnection, Frame], Awaitable[None]]
@@ -343,8 +344,8 @@ async def test_the_pool_bounds_open_sessions(fake: FakeOpenEnv) -> None:
     first, second = OpenEnvEnv(pool), OpenEnvEnv(pool)
     await first.reset({})
     waiting = asyncio.create_task(second.reset({}))
-    await asyncio.sleep(0.2)
-    assert not waiting.done() and fake.connections == 1  # the second episode waits for the slot
+    await until(lambda: pool.slots.waiting == 1, 5, "the second episode asking for the slot")
+    assert not waiting.done() and fake.connections == 1  # and waits for it: no second connection
     await first.close()
     await asyncio.wait_for(waiting, 5)
     await second.close()

@@ -94,13 +94,14 @@ def test_rows_follow_the_declared_columns() -> None:
                       action_ranges=[[1, 3], [4, 5]], prompt_len=1, num_tokens=5, num_sampled_tokens=3, num_turns=2,
                       kept_turn_ids=(), kept_step_ids=(), distinct_weight_versions=[6, 8], step_rewards=[0.0, 1.0],
                       segments=[[0, 4], [4, 5]])
-    w = TrajectoryWrite(EpisodeRow("b.0.0", "b", "b.0", "echo", EpisodeStatus.RUNNING, 2, None), 2, "completed",
+    w = TrajectoryWrite(EpisodeRow("b.0.0", "b", "b.0", "echo", EpisodeStatus.RUNNING, 2, None, T), 2, "completed",
                         None, 1.0, traj, "ok", [{"turn": 1}])
     row = dict(zip(TRAJECTORIES.names, TRAJECTORIES.row(w), strict=True))
     assert row.pop("token_ids_le") == np.array([1, 2, 3, 4, 5], "<i4").tobytes()
     assert row.pop("sampled_logprobs_le") == np.array([-0.25, -0.5, -1], "<f4").tobytes()
     assert row.pop("action_versions").tolist() == [6, 8]
-    assert row == {"episode_id": "b.0.0", "batch_id": "b", "group_id": "b.0", "env": "echo", "attempt": 2,
+    assert row == {"episode_id": "b.0.0", "episode_created_at": T, "batch_id": "b", "group_id": "b.0", "env": "echo",
+                   "attempt": 2,
                    "status": "completed", "failure_class": None, "reward": 1.0, "token_ids": traj.token_ids,
                    "loss_mask": traj.loss_mask, "logprobs": traj.logprobs, "weight_versions": traj.weight_versions,
                    "action_ranges": [[1, 3], [4, 5]], "prompt_len": 1, "num_tokens": 5, "num_sampled_tokens": 3,

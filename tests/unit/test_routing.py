@@ -1,6 +1,6 @@
 """Env-aware routing, the pure parts: route tokens and consumer names (shared/subjects.py), adverts and routes of a
 worker's envs and the fair split of its free slots (services/env_worker/routing.py), and the scheduler's reading of
-adverts (services/scheduler/envs.py) on an in-memory bucket."""
+adverts (services/scheduler/routing.py) on an in-memory bucket."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from nats.js.errors import KeyNotFoundError
 from rollout_ledger.services.env_worker.routing import FairSlots, adverts, routes_of
 from rollout_ledger.services.envs.base import EnvSpec
 from rollout_ledger.services.envs.builtins import builtin_registry
-from rollout_ledger.services.scheduler import envs as sched_envs
+from rollout_ledger.services.scheduler import routing as sched_routing
 from rollout_ledger.shared import subjects as sj
 from rollout_ledger.shared.nats_auth import may
+from rollout_ledger.shared.route_advert import RouteAdvert
 
 
 def _spec(name: str, family: str = "") -> EnvSpec:
@@ -75,7 +76,7 @@ def test_a_family_is_one_advert_listing_its_members_and_routed_as_one() -> None:
 
 
 class MemoryKV:
-    """The two KeyValue calls the scheduler's envs.py makes (``get``), on a dict."""
+    """The two KeyValue calls the scheduler's routing.py makes (``get``), on a dict."""
 
     def __init__(self, values: dict[str, Any]) -> None:
         self.values = {sj.env_key(k): v if isinstance(v, bytes) else orjson.dumps(v) for k, v in values.items()}
@@ -93,23 +94,34 @@ async def test_the_scheduler_resolves_routes_from_adverts() -> None:
     ads = adverts([*builtin_registry().specs(), *FAMILY], "w1")
     kv: Any = MemoryKV({**ads, "remote:echo": {"name": "remote:echo"}, "by-hand": b"not json",
                         "my-agent": {"name": "my-agent", "kind": "agent"}})
-    assert await sched_envs.resolve(kv, "arithmetic") == (True, "arithmetic")
-    assert await sched_envs.resolve(kv, "fam:beta") == (True, "fam")
-    assert await sched_envs.resolve(kv, "fam:gamma.v2") == (True, "fam")
-    assert await sched_envs.resolve(kv, "fam:delta") == (False, "fam"), "not listed (by the last advert): routed"
-    assert await sched_envs.resolve(kv, "other:delta") == (False, "other:delta")
-    assert await sched_envs.resolve(kv, "remote:echo") == (True, "remote:echo"), "an advert without a route"
-    assert await sched_envs.resolve(kv, "by-hand") == (True, "by-hand")
-    assert await sched_envs.resolve(kv, "my-agent") == (True, "my-agent")
-    assert await sched_envs.resolve(kv, "nope") == (False, "nope")
-    assert sched_envs.family_advert_name("fam:*") is None and sched_envs.family_advert_name("x") is None
+    assert await sched_routing.resolve(kv, "arithmetic") == (True, "arithmetic")
+    assert await sched_routing.resolve(kv, "fam:beta") == (True, "fam")
+    assert await sched_routing.resolve(kv, "fam:gamma.v2") == (True, "fam")
+    assert await sched_routing.resolve(kv, "fam:delta") == (False, "fam"), "not listed (by the last advert): routed"
+    assert await sched_routing.resolve(kv, "other:delta") == (False, "other:delta")
+    assert await sched_routing.resolve(kv, "remote:echo") == (True, "remote:echo"), "an advert without a route"
+    assert await sched_routing.resolve(kv, "by-hand") == (True, "by-hand")
+    assert await sched_routing.resolve(kv, "my-agent") == (True, "my-agent")
+    assert await sched_routing.resolve(kv, "nope") == (False, "nope")
+    assert RouteAdvert.family_entry("fam:*") is None and RouteAdvert.family_entry("x") is None
+
+
+def test_a_route_advert_reads_back_what_a_worker_wrote() -> None:
+    ads = adverts([*builtin_registry().specs(), *FAMILY], "w1")
+    fam = RouteAdvert.parse("fam:*", orjson.dumps(ads["fam:*"]))
+    assert fam == RouteAdvert.for_family("fam", ["fam:alpha", "fam:beta", "fam:gamma.v2"])
+    assert RouteAdvert.parse("arithmetic", orjson.dumps(ads["arithmetic"])) == RouteAdvert.for_env("arithmetic",
+                                                                                                    "arithmetic")
+    assert RouteAdvert.parse("by-hand", b"not json") == RouteAdvert("by-hand", None)
+    assert RouteAdvert.parse("odd", orjson.dumps({"route": 3, "members": "x"})) == RouteAdvert("odd", None)
+    assert RouteAdvert.family_entry("fam:beta") == "fam:*"
 
 
 def test_served_means_a_live_worker_runs_the_env() -> None:
-    live = [sched_envs.LiveWorker("w1", ["arithmetic", "fam"], ["arithmetic", "fam:alpha"])]
-    assert sched_envs.served(live, "fam:alpha") and sched_envs.served(live, "arithmetic")
-    assert not sched_envs.served(live, "fam:beta") and not sched_envs.served(live, "guess-number")
-    assert not sched_envs.served([], "arithmetic")
+    live = [sched_routing.LiveWorker("w1", ["arithmetic", "fam"], ["arithmetic", "fam:alpha"])]
+    assert sched_routing.served(live, "fam:alpha") and sched_routing.served(live, "arithmetic")
+    assert not sched_routing.served(live, "fam:beta") and not sched_routing.served(live, "guess-number")
+    assert not sched_routing.served([], "arithmetic")
 
 
 def test_fair_slots_never_ask_for_more_than_is_free() -> None:
@@ -178,7 +190,7 @@ async def test_a_busy_route_among_more_idle_routes_than_slots_is_served() -> Non
     route only. Probes take turns (first come first served), so the busy route is found and drained."""
     import asyncio
 
-    from rollout_ledger.services.env_worker.worker import _first
+    from rollout_ledger.services.env_worker.pull_loop import _first
 
     tasks: set[asyncio.Task[None]] = set()
     slots = FairSlots(capacity=4, batch=1, in_use=lambda: len(tasks))

@@ -18,7 +18,7 @@ from rollout_ledger.services.scheduler.planning import (
 )
 from rollout_ledger.services.scheduler.schemas import BatchCreate
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
-from rollout_ledger.services.scheduler.trajectory_view import Span, trajectory_spans
+from rollout_ledger.services.scheduler.trajectory_view import ViewSpan, trajectory_spans
 from rollout_ledger.shared.events import SamplingParams, decode, encode
 
 
@@ -81,15 +81,15 @@ def test_trajectory_spans_cover_the_sequence() -> None:
     # prompt [0,5), turn 0 sampled [5,8), observation [8,10), turn 1 sampled [10,12), trailing template [12,13)
     spans = trajectory_spans(13, 5, [[5, 8], [10, 12]])
     assert spans == [
-        Span("prompt", 0, 5, None),
-        Span("sampled", 5, 8, 0),
-        Span("observation", 8, 10, 0),
-        Span("sampled", 10, 12, 1),
-        Span("observation", 12, 13, 1),
+        ViewSpan("prompt", 0, 5, None),
+        ViewSpan("sampled", 5, 8, 0),
+        ViewSpan("observation", 8, 10, 0),
+        ViewSpan("sampled", 10, 12, 1),
+        ViewSpan("observation", 12, 13, 1),
     ]
-    assert trajectory_spans(4, 4, []) == [Span("prompt", 0, 4, None)]
+    assert trajectory_spans(4, 4, []) == [ViewSpan("prompt", 0, 4, None)]
     # malformed ranges are clipped, never an exception
-    assert trajectory_spans(6, 3, [[3, 99]]) == [Span("prompt", 0, 3, None), Span("sampled", 3, 6, 0)]
+    assert trajectory_spans(6, 3, [[3, 99]]) == [ViewSpan("prompt", 0, 3, None), ViewSpan("sampled", 3, 6, 0)]
 
 
 @pytest.mark.parametrize("token", ["changeme", "CHANGEME", "<token>", "secret", "short"])

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, status
 
-from rollout_ledger.services.scheduler import store
+from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, StateDep
 from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES
 from rollout_ledger.services.scheduler.schemas import (
@@ -37,13 +37,13 @@ def _ids(value: Any) -> list[int] | None:
 @router.get("/{episode_id}", responses={**READ_RESPONSES, 404: {"model": ErrorPublic}})
 async def get_episode(episode_id: EpisodeIdPath, res: ResourcesDep) -> EpisodePublic:
     """The episode row with all its turns and steps, superseded tries and attempts included (flagged)."""
-    with store.store_errors("read episode"):
+    with batch_store.store_errors("read episode"):
         async with res.engine.connect() as conn:
-            row = await store.get_episode(conn, episode_id)
+            row = await batch_store.get_episode(conn, episode_id)
             if row is None:
                 raise _not_found(episode_id)
-            turn_rows = await store.episode_turns(conn, episode_id)
-            step_rows = await store.episode_steps(conn, episode_id)
+            turn_rows = await batch_store.episode_turns(conn, episode_id)
+            step_rows = await batch_store.episode_steps(conn, episode_id)
     return EpisodePublic.model_validate(
         {
             **row,
@@ -58,11 +58,11 @@ async def get_episode(episode_id: EpisodeIdPath, res: ResourcesDep) -> EpisodePu
 @router.get("/{episode_id}/trajectory", responses={**READ_RESPONSES, 404: {"model": ErrorPublic}})
 async def get_trajectory(episode_id: EpisodeIdPath, state: StateDep, res: ResourcesDep) -> TrajectoryPublic:
     """The token-exact trajectory, with the text of the whole sequence and of each prompt/sampled/observation span."""
-    with store.store_errors("read trajectory"):
+    with batch_store.store_errors("read trajectory"):
         async with res.engine.connect() as conn:
-            traj = await store.get_trajectory(conn, episode_id)
+            traj = await batch_store.get_trajectory(conn, episode_id)
             if traj is None:
-                episode = await store.get_episode(conn, episode_id)
+                episode = await batch_store.get_episode(conn, episode_id)
                 if episode is None:
                     raise _not_found(episode_id)
                 raise HTTPException(

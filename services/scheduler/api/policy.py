@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Response, status
 
-from rollout_ledger.services.scheduler import policy
+from rollout_ledger.services.scheduler import policy_registry
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, WriteDep
 from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES, WRITE_RESPONSES
+from rollout_ledger.services.scheduler.batch_store import store_errors
 from rollout_ledger.services.scheduler.schemas import (
     ErrorPublic,
     PolicyPublic,
@@ -14,7 +15,6 @@ from rollout_ledger.services.scheduler.schemas import (
     PolicyVersionPublic,
     WorkerPolicyPublic,
 )
-from rollout_ledger.services.scheduler.store import store_errors
 from rollout_ledger.shared.kit.logging import get_logger
 
 router = APIRouter(prefix="/v1/policy", tags=["policy"])
@@ -36,12 +36,12 @@ async def announce_version(body: PolicyVersionCreate, res: ResourcesDep, respons
     """Record the version and announce it on the bus: every inference worker loads it and serves it (its swap
     mode says how the generations in flight are treated)."""
     try:
-        recorded = await policy.record_version(res.engine, body)
-    except policy.VersionConflict as exc:
+        recorded = await policy_registry.record_version(res.engine, body)
+    except policy_registry.VersionConflict as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     announced = False
     if recorded.newest:
-        announced = await policy.announce(res.policy_kv, policy.announcement_of(recorded.row))
+        announced = await policy_registry.announce(res.policy_kv, policy_registry.announcement_of(recorded.row))
         res.admission.nudge()  # a new version may let waiting episodes start
     if not recorded.created:
         response.status_code = status.HTTP_200_OK
@@ -57,9 +57,9 @@ async def get_policy(res: ResourcesDep) -> PolicyPublic:
     """The current version, each inference worker's latest report, and running episodes per version."""
     with store_errors("reading the policy"):
         async with res.engine.connect() as conn:
-            current = await policy.current_version(conn)
-            in_flight = await policy.in_flight_by_version(conn)
-    reports = await policy.worker_reports(res.policy_workers_kv, res.js)
+            current = await policy_registry.current_version(conn)
+            in_flight = await policy_registry.in_flight_by_version(conn)
+    reports = await policy_registry.worker_reports(res.policy_workers_kv, res.js)
     return PolicyPublic(
         current=PolicyVersionPublic(**{k: current[k] for k in ("version", "checkpoint", "mode", "notes",
                                                                "created_at")}) if current else None,

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
 
-from rollout_ledger.services.scheduler import store
+from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, StateDep
 from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES
 from rollout_ledger.services.scheduler.schemas import BATCH_ID_PATTERN, EPISODE_ID_PATTERN, ErrorPublic
@@ -64,7 +64,7 @@ async def list_batches(
     offset: Annotated[int, Query(ge=0, le=10_000_000, description="Batches to skip, newest first")] = 0,
 ) -> BatchListPublic:
     """The newest batches, each with its episodes per status and mean reward."""
-    with store.store_errors("list batches"):
+    with batch_store.store_errors("list batches"):
         async with res.engine.connect() as conn:
             total, rows = await queries.list_batches(conn, limit, offset)
     return BatchListPublic(
@@ -75,16 +75,16 @@ async def list_batches(
 @router.get("/batches/{batch_id}", responses=NOT_FOUND)
 async def batch_summary(batch_id: BatchIdPath, res: ResourcesDep) -> BatchSummaryPublic:
     """Progress, reward histograms per env and weight version, failures by class, and the filter choices."""
-    with store.store_errors("read batch summary"):
+    with batch_store.store_errors("read batch summary"):
         async with res.engine.connect() as conn:
-            batch = await store.get_batch(conn, batch_id)
+            batch = await batch_store.get_batch(conn, batch_id)
             if batch is None:
                 raise _batch_missing(batch_id)
             summary = await queries.batch_summary(conn, batch_id)
     counts = {str(s): 0 for s in EpisodeStatus} | summary.statuses  # the same pass as the histograms: consistent
     return BatchSummaryPublic(
         batch_id=batch_id, env=batch["env"], group_size=batch["group_size"], num_tasks=batch["num_tasks"],
-        num_episodes=batch["num_episodes"], counts=counts, done=store.is_done(counts),
+        num_episodes=batch["num_episodes"], counts=counts, done=batch_store.is_done(counts),
         created_at=batch["created_at"], cancelled_at=batch["cancelled_at"], edges=summary.edges,
         histograms=[HistogramPublic(env=h.env, version=h.version, counts=h.counts, n=h.n, mean=h.mean)
                     for h in summary.histograms],
@@ -115,9 +115,9 @@ async def batch_episodes(
     f = queries.EpisodeFilter(env=env, status=episode_status.value if episode_status else None,
                               reward_min=reward_min, reward_max=reward_max, version=version,
                               failure_class=failure_class.value if failure_class else None)
-    with store.store_errors("list episodes"):
+    with batch_store.store_errors("list episodes"):
         async with res.engine.connect() as conn:
-            if await store.get_batch(conn, batch_id) is None:
+            if await batch_store.get_batch(conn, batch_id) is None:
                 raise _batch_missing(batch_id)
             total, rows = await queries.list_episodes(conn, batch_id, f, limit, offset)
     return EpisodeListPublic(total=total, offset=offset, episodes=[
@@ -144,7 +144,7 @@ def _view(tokenizer: ChatTokenizer | None, specials: frozenset[int], ids: list[i
 async def group(batch_id: BatchIdPath, task_index: Annotated[int, Path(ge=0, le=2**31 - 1)], state: StateDep,
                 res: ResourcesDep) -> GroupPublic:
     """A group's siblings side by side from a little before their first divergence."""
-    with store.store_errors("read group"):
+    with batch_store.store_errors("read group"):
         async with res.engine.connect() as conn:
             rows = await queries.group_siblings(conn, batch_id, task_index)
     if not rows:
@@ -242,11 +242,11 @@ def _resume(detail: dict[str, Any]) -> ResumePublic | None:
 async def episode_tokens(episode_id: EpisodeIdPath, state: StateDep, res: ResourcesDep) -> TokenViewPublic:
     """The trajectory token by token: text, origin, loss mask, logprob and weight version of every token; turns
     with their steps, segments with their drift class, tool-call folds, and the logprob audits."""
-    with store.store_errors("read trajectory"):
+    with batch_store.store_errors("read trajectory"):
         async with res.engine.connect() as conn:
             detail = await queries.episode_detail(conn, episode_id)
             if detail is None:
-                episode = await store.get_episode(conn, episode_id)
+                episode = await batch_store.get_episode(conn, episode_id)
                 if episode is None:
                     raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown episode {episode_id!r}")
                 raise HTTPException(status.HTTP_404_NOT_FOUND,

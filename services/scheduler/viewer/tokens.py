@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-from rollout_ledger.services.envs.tools import scan_blocks
 from rollout_ledger.shared.kit.chat import ChatTokenizer
+from rollout_ledger.shared.tool_blocks import scan_blocks
 
 
 class Origin(IntEnum):

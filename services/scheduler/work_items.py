@@ -3,7 +3,7 @@
 The batch and its episodes are committed before anything is published, so a crash between commit and publish
 loses nothing: episodes still ``requested`` with ``published_at`` NULL are republished by the outbox loop.
 Work items carry a deterministic ``Nats-Msg-Id``, so a republish within the stream's duplicate window is
-dropped by JetStream. Each goes to the subject of its env's route (``envs.RouteBook``), so only env workers that have
+dropped by JetStream. Each goes to the subject of its env's route (``routing.RouteBook``), so only env workers that have
 the env get it; with no such worker it waits on the queue. With tracing on, each publish is the root span of its
 episode's trace, carried in the work item's headers (shared/kit/tracing.py).
 """
@@ -11,22 +11,24 @@ episode's trace, carried in the work item's headers (shared/kit/tracing.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nats.js import api as js_api
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rollout_ledger.services.scheduler import store
-from rollout_ledger.services.scheduler.envs import RouteBook
+from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode, work_item
+from rollout_ledger.services.scheduler.routing import RouteBook
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
+from rollout_ledger.shared.db import episodes, store_errors
 from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.events import EpisodeRequested, encode
-from rollout_ledger.shared.kit.bus import JetStreamContext, msg_id_headers
+from rollout_ledger.shared.kit.bus import JetStreamContext
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.publisher import Producer
+from rollout_ledger.shared.kit.runtime import ticks
 from rollout_ledger.shared.kit.tracing import Span, Tracing, end_span
 from rollout_ledger.shared.subjects import work_subject
 
@@ -43,20 +45,20 @@ class PublishResult:
 
 
 async def publish_work_items(
-    js: JetStreamContext, items: Sequence[EpisodeRequested], timeout_s: float, routes: Mapping[str, str],
+    producer: Producer, items: Sequence[EpisodeRequested], timeout_s: float, routes: Mapping[str, str],
     tracing: Tracing | None = None,
 ) -> PublishResult:
-    """Publish work items with ``publish_async`` to their env's route (``routes``: env -> route) and wait for their
+    """Publish work items through ``producer`` to their env's route (``routes``: env -> route) and wait for their
     acks together (at most ``timeout_s``). With ``tracing`` on, each publish (to its ack) is the root span of its
     episode's trace."""
     if not items:
         return PublishResult([], 0)
-    futures: list[tuple[str, asyncio.Future[js_api.PubAck]]] = []
+    futures: list[tuple[str, asyncio.Future[None]]] = []
     spans: dict[str, Span] = {}
     error: str | None = None
     for ev in items:
         subject = work_subject(routes.get(ev.env) or ev.env)
-        headers = msg_id_headers(ev.event_id)
+        headers: dict[str, str] = {}
         if tracing is not None and tracing.enabled:
             span = tracing.root("episode.publish", attributes={
                 "rollout.episode_id": ev.episode_id, "rollout.batch_id": ev.batch_id, "rollout.env": ev.env,
@@ -65,15 +67,15 @@ async def publish_work_items(
                 spans[ev.episode_id] = span
                 tracing.inject(headers, span)
         try:
-            fut = await js.publish_async(subject, encode(ev), wait_stall=timeout_s, headers=headers)
-        except Exception as exc:  # nats-py raises unrelated types (closed connection, stalled, ...)
-            error = f"{type(exc).__name__}: {exc}"
+            fut = await producer.publish_nowait(str(ev.type), ev.event_id, encode(ev), subject, headers or None)
+        except BusError as exc:  # the connection is closed or stalled: the rest wait for the outbox
+            error = str(exc)
             break
         futures.append((ev.episode_id, fut))
     if futures:
         _, pending = await asyncio.wait([f for _, f in futures], timeout=timeout_s)
         for waiting in pending:
-            waiting.cancel()  # releases nats-py's pending-publish slot
+            waiting.cancel()  # the outbox publishes it again (the same Nats-Msg-Id: stored once)
         if pending and error is None:
             error = f"{len(pending)} publishes not acked within {timeout_s}s"
     acked: list[str] = []
@@ -97,12 +99,39 @@ def _end_publish_spans(spans: Mapping[str, Span], acked: set[str], error: str | 
         end_span(span, None if ep_id in acked else error or "not acked")
 
 
-class Publisher:
+async def mark_published(conn: AsyncConnection, episode_ids: Sequence[str]) -> int:
+    """Stamp ``published_at`` on the episodes not stamped yet. The rows are locked first in id order (``FOR NO KEY
+    UPDATE``, which leaves foreign-key checks alone), the order a recorder locks the episode rows it updates in
+    (``Tx.lock_episodes``), so waiting for a recorder that is moving them past ``requested`` cannot deadlock; after
+    the wait a row the recorder stamped itself is left as it is. Waiting matters: the batch's ``num_published``
+    read after this commit must see every stamp."""
+    if not episode_ids:
+        return 0
+    locked = (await conn.execute(
+        select(episodes.c.id)
+        .where(episodes.c.id == func.any(sorted(set(episode_ids))), episodes.c.published_at.is_(None))
+        .order_by(episodes.c.id)
+        .with_for_update(key_share=True)
+    )).scalars().all()
+    if not locked:
+        return 0
+    result = await conn.execute(
+        update(episodes)
+        .where(episodes.c.id == func.any(list(locked)), episodes.c.published_at.is_(None))
+        .values(published_at=func.now())
+    )
+    return int(result.rowcount or 0)
+
+
+class WorkItemPublisher:
     """Publishes work items for stored episodes and stamps ``published_at`` chunk by chunk."""
 
-    def __init__(self, js: JetStreamContext, engine: AsyncEngine, settings: SchedulerSettings,
+    def __init__(self, js: JetStreamContext, producer: Producer, engine: AsyncEngine, settings: SchedulerSettings,
                  metrics: SchedulerMetrics, tracing: Tracing | None = None) -> None:
         self.js = js
+        self.producer = producer
+        """The scheduler's one ``StreamPublisher`` (its ack timeout: ``publish_timeout_s``; no retry of its own:
+        what is not acked is the outbox's)."""
         self.tracing = tracing if tracing is not None else Tracing.off()
         """Each work item's publish starts its episode's trace (off: no span, no trace header)."""
         self.engine = engine
@@ -113,23 +142,25 @@ class Publisher:
         """The route of each env's work items (from the env workers' adverts), and which env workers are live."""
 
     async def publish(self, planned: Sequence[PlannedEpisode], spec: BatchRunSpec, source: str) -> int:
-        """Publish the episodes' work items; returns how many were acked (the rest are left to the outbox)."""
-        published = 0
-        chunk = self.settings.publish_chunk
+        """Publish the episodes' work items to their env's route chunk by chunk, stamping ``published_at`` on those
+        the stream acked; returns how many were acked (the rest are left to the outbox)."""
         try:
             routes = {spec.env: await self.routes.route(spec.env)}
         except BusError as exc:  # nothing published: the outbox publishes them once the adverts can be read
             self.metrics.publish_failures.inc(len(planned))
             log.warning("publish.no_route", env=spec.env, episodes=len(planned), error=str(exc))
             return 0
+        published = 0
+        chunk = self.settings.publish_chunk
         for start in range(0, len(planned), chunk):
             items = [work_item(ep, spec, self.produced_by) for ep in planned[start : start + chunk]]
-            result = await publish_work_items(self.js, items, self.settings.publish_timeout_s, routes, self.tracing)
+            result = await publish_work_items(self.producer, items, self.settings.publish_timeout_s, routes,
+                                              self.tracing)
             if result.acked:
                 try:
-                    with store.store_errors("stamp published_at"):
+                    with store_errors("stamp published_at"):
                         async with self.engine.begin() as conn:
-                            await store.mark_published(conn, result.acked)
+                            await mark_published(conn, result.acked)
                 except StoreError as exc:
                     # The work items are on the queue; the outbox may republish them (deduplicated by id).
                     log.warning("publish.stamp_failed", episodes=len(result.acked), error=str(exc))
@@ -143,27 +174,27 @@ class Publisher:
 
     async def publish_pending(self, batch_id: str) -> int:
         """Publish the batch's episodes that are still waiting for their work item (idempotent replays)."""
-        with store.store_errors("read unpublished episodes"):
+        with batch_store.store_errors("read unpublished episodes"):
             async with self.engine.connect() as conn:
-                rows = await store.unpublished(conn, batch_id=batch_id, limit=self.settings.max_batch_episodes)
+                rows = await batch_store.unpublished(conn, batch_id=batch_id, limit=self.settings.max_batch_episodes)
         if not rows:
             return 0
         return await self.publish([ep for ep, _ in rows], rows[0][1], source="replay")
 
     async def republish_once(self) -> int:
         """One outbox pass: republish up to ``republish_limit`` forgotten episodes, locked against other replicas."""
-        with store.store_errors("outbox pass"):
+        with batch_store.store_errors("outbox pass"):
             async with self.engine.begin() as conn:
-                rows = await store.unpublished(
+                rows = await batch_store.unpublished(
                     conn, min_age_s=self.settings.republish_grace_s, limit=self.settings.republish_limit, lock=True
                 )
                 if not rows:
                     return 0
                 items = [work_item(ep, spec, self.produced_by) for ep, spec in rows]
                 routes = await self.routes.routes(item.env for item in items)
-                result = await publish_work_items(self.js, items, self.settings.publish_timeout_s, routes,
+                result = await publish_work_items(self.producer, items, self.settings.publish_timeout_s, routes,
                                                   self.tracing)
-                await store.mark_published(conn, result.acked)
+                await mark_published(conn, result.acked)
         self.metrics.episodes_published.labels("outbox").inc(len(result.acked))
         self.metrics.episodes_republished.inc(len(result.acked))
         if result.failed:
@@ -174,7 +205,7 @@ class Publisher:
 
     async def run_outbox(self, stop: asyncio.Event, on_pass: Callable[[bool], None] | None = None) -> None:
         """Every ``republish_interval_s`` until ``stop``: republish forgotten episodes (and report DB health)."""
-        while not stop.is_set():
+        async for _ in ticks(stop, self.settings.republish_interval_s):
             ok = True
             try:
                 while await self.republish_once() >= self.settings.republish_limit and not stop.is_set():
@@ -186,5 +217,3 @@ class Publisher:
                 log.warning("outbox.bus_error", error=str(exc))
             if on_pass is not None:
                 on_pass(ok)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.settings.republish_interval_s)

@@ -5,36 +5,20 @@ Every status write goes through ``lifecycle.allowed_sources``; database failures
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode
 from rollout_ledger.shared.db import batches, episodes, row_dict, steps, trajectories, turns
-from rollout_ledger.shared.errors import StoreError
+from rollout_ledger.shared.db import store_errors as store_errors  # the scheduler's modules use it from here
 from rollout_ledger.shared.events import ContextPolicy, SamplingParams
-from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus, allowed_sources
-
-FINISHED = (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED, EpisodeStatus.ABORTED)
-"""Statuses of episodes that ended with a trajectory of their own (not failed, not cancelled)."""
-
-
-@contextlib.contextmanager
-def store_errors(what: str) -> Iterator[None]:
-    """Turn SQLAlchemy/psycopg failures into ``StoreError`` naming the operation."""
-    try:
-        yield
-    except DBAPIError as exc:
-        raise StoreError(f"{what}: {exc.orig or exc}") from exc
-    except SQLAlchemyError as exc:
-        raise StoreError(f"{what}: {exc}") from exc
+from rollout_ledger.shared.lifecycle import FINISHED, TERMINAL, EpisodeStatus, allowed_sources
 
 
 async def insert_batch(
@@ -89,7 +73,7 @@ class BatchStats:
 
 
 async def batch_stats(conn: AsyncConnection, batch_id: str) -> BatchStats:
-    finished = [str(s) for s in FINISHED]
+    finished = sorted(str(s) for s in FINISHED)
     published, mean_reward = (
         await conn.execute(
             select(
@@ -161,7 +145,7 @@ async def unpublished(
     if min_age_s > 0:
         query = query.where(episodes.c.created_at < func.now() - timedelta(seconds=min_age_s))
     if lock:
-        query = query.with_for_update(of=episodes, skip_locked=True)
+        query = query.with_for_update(of=episodes, skip_locked=True, key_share=True)
     out: list[tuple[PlannedEpisode, BatchRunSpec]] = []
     specs: dict[str, BatchRunSpec] = {}
     for r in await conn.execute(query):
@@ -174,17 +158,6 @@ async def unpublished(
             (PlannedEpisode(r.id, r.batch_id, r.group_id, r.task_index, r.group_index, r.env, r.task), spec)
         )
     return out
-
-
-async def mark_published(conn: AsyncConnection, episode_ids: Sequence[str]) -> int:
-    if not episode_ids:
-        return 0
-    result = await conn.execute(
-        update(episodes)
-        .where(episodes.c.id == func.any(list(episode_ids)), episodes.c.published_at.is_(None))
-        .values(published_at=func.now())
-    )
-    return int(result.rowcount or 0)
 
 
 async def get_episode(conn: AsyncConnection, ep_id: str) -> dict[str, Any] | None:

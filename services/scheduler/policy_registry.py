@@ -25,13 +25,15 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rollout_ledger.services.scheduler.envs import bucket_keys
+from rollout_ledger.services.scheduler.batch_store import store_errors
+from rollout_ledger.services.scheduler.env_registry import bucket_keys
 from rollout_ledger.services.scheduler.schemas import PolicyVersionCreate
-from rollout_ledger.services.scheduler.store import store_errors
 from rollout_ledger.shared.db import policy_versions, policy_worker_states, row_dict
 from rollout_ledger.shared.errors import BusError, SchemaError
+from rollout_ledger.shared.kit.bus import bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import parse_announcement
+from rollout_ledger.shared.kit.runtime import sleep_or_stop
 from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState, read_value
 from rollout_ledger.shared.subjects import POLICY_KEY, POLICY_WORKERS_BUCKET
 
@@ -91,25 +93,23 @@ async def announce(kv: KeyValue, announcement: PolicyAnnouncement, tries: int = 
     """Make ``announcement`` the current version unless a newer one is (compare-and-set); True if it is now."""
     value = orjson.dumps(announcement.model_dump(mode="json"))
     for _ in range(tries):
-        try:
+        with bus_errors(f"announce policy version {announcement.version}"):
             try:
                 entry = await kv.get(POLICY_KEY)
             except KeyNotFoundError:
                 entry = None
             current = parse_announcement(entry.value if entry is not None else None)
-            if current is not None and current.version > announcement.version:
-                return False
-            if current is not None and current.version == announcement.version:
+            if current is not None and current.version >= announcement.version:
+                return current.version == announcement.version
+            try:
+                if entry is None:
+                    await kv.create(POLICY_KEY, value)
+                else:
+                    await kv.update(POLICY_KEY, value, last=entry.revision)
                 return True
-            if entry is None:
-                await kv.create(POLICY_KEY, value)
-            else:
-                await kv.update(POLICY_KEY, value, last=entry.revision)
-            return True
-        except KeyWrongLastSequenceError:
-            await asyncio.sleep(0.01)  # another announcement won the race: read it and decide again
-        except Exception as exc:  # nats-py timeouts and connection errors share no base class
-            raise BusError(f"cannot announce policy version {announcement.version}: {exc}") from exc
+            except KeyWrongLastSequenceError:
+                pass  # another announcement won the race: read it and decide again
+        await asyncio.sleep(0.01)
     raise BusError(f"cannot announce policy version {announcement.version}: the current version kept changing")
 
 
@@ -196,8 +196,7 @@ async def run_mirror(kv: KeyValue, engine: AsyncEngine, stop: asyncio.Event, ret
             await _mirror_once(kv, engine, stop, on_report)
         except Exception as exc:  # nats-py errors share no base class: watch again after a pause
             log.warning("policy.mirror_watch_lost", error=f"{type(exc).__name__}: {exc}")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), retry_s)
+            await sleep_or_stop(stop, retry_s)
 
 
 async def _mirror_once(kv: KeyValue, engine: AsyncEngine, stop: asyncio.Event,

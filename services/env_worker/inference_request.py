@@ -1,0 +1,165 @@
+"""One turn request to the inference workers and its retry budget: each try sent to the chosen worker's subject
+(or ``INFER_ANY``) and its reply awaited, failed over when its worker is reaped, tried again within ``max_tries``.
+
+Requests and replies are msgpack events (``shared/events.encode``): ``InferenceRequested`` out, ``TurnGenerated``
+back, or an error reply with headers ``Rollout-Error`` (class name) and ``Rollout-Retryable`` (``true``/``false``)
+and the message as body. Replies come back through a ``ReplyInbox`` (shared/kit/inbox.py: one wildcard
+subscription, one deadline sweeper, no timer or task per request), so a try can also be failed from outside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from rollout_ledger.services.env_worker.inference_choice import choose
+from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable
+from rollout_ledger.shared.errors import InferenceError, NewerContractError, SchemaError
+from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, decode_as, encode
+from rollout_ledger.shared.kit.backoff import backoff_delay
+from rollout_ledger.shared.kit.inbox import ReplyInbox
+from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.tracing import Tracing
+from rollout_ledger.shared.subjects import ERROR_HEADER, INFER_ANY, INFER_CANCEL, RETRYABLE_HEADER
+
+log = get_logger(__name__)
+
+
+class TryFailed(InferenceError):
+    """One try did not produce a turn (no responders, worker lost, timeout or a retryable error reply)."""
+
+    retryable = True
+
+
+class TurnRequests:
+    """The tries in flight (by worker, on ``INFER_ANY``, by request id) and ``generate``'s retry budget."""
+
+    def __init__(self, nc: NATS, table: WorkerTable, *, request_timeout_s: float, max_tries: int,
+                 backoff_initial_s: float, backoff_max_s: float, on_retry: Callable[[], None],
+                 on_latency: Callable[[float], None], tracing: Tracing) -> None:
+        self.nc = nc
+        self.table = table
+        self.max_tries = max_tries
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.tracing = tracing
+        self._on_retry = on_retry
+        self._on_latency = on_latency
+        self._inbox: ReplyInbox[Msg] = ReplyInbox(
+            nc, request_timeout_s, resolve=lambda fut, msg: fut.set_result(msg),
+            on_timeout=lambda subject: TryFailed(f"no reply from {subject} within {request_timeout_s}s"),
+            on_no_responders=lambda _subject: TryFailed("no responders"))
+        self.waiting_any: set[asyncio.Future[Msg]] = set()
+        """Tries sent to ``INFER_ANY``: whoever took them is unknown, so any worker's death fails them over."""
+        self.by_request: dict[str, asyncio.Future[Msg]] = {}
+        """Tries waiting for their reply, by request id (= the turn's event id on RL_EVENTS)."""
+
+    async def start(self) -> None:
+        await self._inbox.start()
+
+    async def stop(self) -> None:
+        await self._inbox.stop(lambda: TryFailed("inference client stopped"))
+
+    def expire(self) -> int:
+        """Fail the tries whose reply is overdue (``request_timeout_s``); returns how many (the inbox's sweeper
+        does this on its own)."""
+        return self._inbox.sweep()
+
+    def fail_over(self, dead: Iterable[WorkerState]) -> None:
+        """Fail the tries waiting on reaped workers, and every try sent to ``INFER_ANY``: the dead worker may have
+        taken them (a live one that did will still answer its copy; the duplicate turn has its own request id and
+        is simply not kept)."""
+        for state in dead:
+            log.warning("inference.worker_lost", worker=state.worker_id, waiting=len(state.waiting),
+                        waiting_any=len(self.waiting_any))
+            for fut in [*state.waiting, *self.waiting_any]:
+                if not fut.done():
+                    fut.set_exception(TryFailed(f"inference worker {state.worker_id} stopped sending heartbeats"))
+
+    async def request_once(self, subject: str, payload: bytes, worker: WorkerState | None,
+                           request_id: str = "") -> Msg:
+        """One try: publish the request and wait for its reply, the worker's loss, or the timeout (``expire``)."""
+        token, reply, fut = self._inbox.open(subject)
+        if request_id:
+            self.by_request[request_id] = fut
+        if worker is not None:
+            worker.waiting.add(fut)
+            worker.local_inflight += 1
+        else:
+            self.waiting_any.add(fut)
+        try:
+            headers: dict[str, str] | None = self.tracing.inject({}) if self.tracing.enabled else None
+            await self.nc.publish(subject, payload, reply=reply, headers=headers)
+            return await fut
+        finally:
+            self._inbox.close(token)
+            if request_id:
+                self.by_request.pop(request_id, None)
+            if worker is not None:
+                worker.waiting.discard(fut)
+                worker.local_inflight -= 1
+            else:
+                self.waiting_any.discard(fut)
+
+    async def generate(self, build: Callable[[int], InferenceRequested], prefer: str | None = None) -> TurnGenerated:
+        """The turn for the request ``build(try_number)`` (tries count from 1), within the retry budget.
+
+        Raises ``InferenceError`` when the budget is spent (retryable) or a worker refused the request for
+        good (not retryable).
+        """
+        excluded: set[str] = set()
+        last: InferenceError | None = None
+        loop = asyncio.get_running_loop()
+        for attempt in range(1, self.max_tries + 1):
+            if attempt > 1:
+                self._on_retry()
+                await asyncio.sleep(backoff_delay(attempt - 2, self.backoff_initial_s, self.backoff_max_s,
+                                                  jitter=0.0))
+            worker = choose(self.table.workers, prefer, excluded)
+            subject = worker.subject if worker is not None else INFER_ANY
+            request = build(attempt)
+            started = loop.time()
+            try:
+                reply = await self.request_once(subject, encode(request), worker, request.request_id)
+                turn = turn_of(reply, subject)
+            except asyncio.CancelledError:
+                # The episode stopped waiting (its deadline passed): let the worker abort the generation.
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(INFER_CANCEL, request.request_id.encode())
+                raise
+            except TryFailed as exc:
+                last = exc
+                if worker is not None:
+                    excluded.add(worker.worker_id)
+                log.info("inference.try_failed", request_id=request.request_id, subject=subject, error=str(exc))
+                continue
+            except SchemaError as exc:
+                raise InferenceError(f"malformed reply from {subject}: {exc}", retryable=False) from exc
+            self._on_latency(loop.time() - started)
+            return turn
+        raise InferenceError(f"no turn after {self.max_tries} tries: {last}", retryable=True)
+
+
+def turn_of(reply: Msg, subject: str) -> TurnGenerated:
+    """The reply's turn; ``TryFailed`` for a retryable error reply or a worker of a newer contract major (a rolling
+    upgrade: another worker can serve it), ``InferenceError`` / ``SchemaError`` otherwise."""
+    _check_error_reply(reply, subject)
+    try:
+        return decode_as(reply.data, TurnGenerated)
+    except NewerContractError as exc:
+        raise TryFailed(f"{subject} answered in a newer contract: {exc}") from exc
+
+
+def _check_error_reply(reply: Msg, subject: str) -> None:
+    headers = reply.headers or {}
+    error = headers.get(ERROR_HEADER)
+    if error is None:
+        return
+    message = reply.data.decode(errors="replace")
+    if headers.get(RETRYABLE_HEADER, "false").lower() == "true":
+        raise TryFailed(f"{subject} answered {error}: {message}")
+    raise InferenceError(f"{subject} refused the request ({error}): {message}", retryable=False)
