@@ -13,6 +13,7 @@ from datetime import datetime
 from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
+from rollout_ledger.shared.kit.bus import bucket
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import CANCEL_BUCKET
 
@@ -33,7 +34,7 @@ class CancelWatch:
         return batch_id in self.cancelled
 
     async def start(self, js: JetStreamContext, timeout_s: float = 10.0) -> None:
-        kv = await js.key_value(CANCEL_BUCKET)
+        kv = await bucket(js, CANCEL_BUCKET)
         self._watcher = await kv.watchall()
         loaded = asyncio.Event()
         self._task = asyncio.create_task(self._consume(self._watcher, loaded))

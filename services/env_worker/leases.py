@@ -30,7 +30,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.kv import KeyValue
 
 from rollout_ledger.shared.errors import BusError
-from rollout_ledger.shared.kit.bus import bus_errors
+from rollout_ledger.shared.kit.bus import bucket, bus_errors
 from rollout_ledger.shared.subjects import LEASE_BUCKET, LEASE_TTL_S, WORK_STREAM, episode_lease_key
 
 
@@ -115,7 +115,7 @@ class EpisodeLeases:
         self._kv: KeyValue | None = None
 
     async def start(self) -> None:
-        self._kv = await self.js.key_value(LEASE_BUCKET)
+        self._kv = await bucket(self.js, LEASE_BUCKET)
 
     @property
     def kv(self) -> KeyValue:

@@ -25,7 +25,7 @@ from nats.js import JetStreamContext
 from rollout_ledger.services.envs.base import EnvSpec
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.events import dumps
-from rollout_ledger.shared.kit.bus import bus_errors
+from rollout_ledger.shared.kit.bus import bucket, bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import ticks
 from rollout_ledger.shared.route_advert import RouteAdvert
@@ -71,7 +71,7 @@ def adverts(specs: Iterable[EnvSpec], worker_id: str) -> dict[str, dict[str, Any
 
 async def register_adverts(js: JetStreamContext, specs: Iterable[EnvSpec], worker_id: str) -> None:
     """Put this worker's adverts into the ``rl_envs`` bucket (the scheduler's list of known envs and their routes)."""
-    kv = await js.key_value(ENVS_BUCKET)
+    kv = await bucket(js, ENVS_BUCKET)
     for name, advert in adverts(specs, worker_id).items():
         await kv.put(env_key(name), dumps(advert))
 
@@ -95,7 +95,7 @@ class WorkerReport:
 async def report_forever(js: JetStreamContext, report: WorkerReport, stop: asyncio.Event) -> None:
     """Write ``report`` every ``ENV_WORKER_TTL_S / 3`` until ``stop``, then delete it (the scheduler stops counting
     this worker at once rather than after the TTL)."""
-    kv = await js.key_value(ENV_WORKERS_BUCKET)
+    kv = await bucket(js, ENV_WORKERS_BUCKET)
     key = env_key(report.worker)
     async for _ in ticks(stop, ENV_WORKER_TTL_S / 3):
         try:

@@ -72,11 +72,11 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
         js = nc.jetstream()
         try:
             await bus.ensure_topology(js, settings.stream_replicas)
-            envs_kv = await js.key_value(ENVS_BUCKET)
-            cancel_kv = await js.key_value(CANCEL_BUCKET)
-            policy_kv = await js.key_value(POLICY_BUCKET)
-            policy_workers_kv = await js.key_value(POLICY_WORKERS_BUCKET)
-            env_workers_kv = await js.key_value(ENV_WORKERS_BUCKET)
+            envs_kv = await bus.bucket(js, ENVS_BUCKET)
+            cancel_kv = await bus.bucket(js, CANCEL_BUCKET)
+            policy_kv = await bus.bucket(js, POLICY_BUCKET)
+            policy_workers_kv = await bus.bucket(js, POLICY_WORKERS_BUCKET)
+            env_workers_kv = await bus.bucket(js, ENV_WORKERS_BUCKET)
         except Exception as exc:  # nats-py API errors and timeouts share no base class
             raise BusError(f"cannot declare the streams and buckets: {exc}") from exc
     except Exception as exc:

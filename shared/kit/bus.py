@@ -35,6 +35,7 @@ from nats.js.errors import (
     ServerError,
     ServiceUnavailableError,
 )
+from nats.js.kv import KeyValue
 
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.kit.backoff import Backoff
@@ -139,6 +140,31 @@ async def retrying(op: Callable[[], Awaitable[_T]], what: str, retry_for_s: floa
                 raise
             log.info("nats.retry", what=what, tries=backoff.retries, pause_s=round(pause, 3), error=str(exc))
             await asyncio.sleep(pause)
+
+
+async def settled(op: Callable[[], Awaitable[_T]], what: str, retry_for_s: float = RETRY_FOR_S) -> _T:
+    """Run ``op`` (an idempotent JetStream API request: create a stream, read a bucket) until it answers, retrying a
+    passing failure as ``retrying`` does: at a cluster's start its nodes answer late while they create every
+    service's replicated streams at once. A refusal is raised as nats-py raised it (the caller tells an existing
+    stream by its ``BadRequestError``); the last passing failure, once ``retry_for_s`` is spent, as ``BusError``."""
+    deadline = time.monotonic() + retry_for_s
+    backoff = Backoff(_RETRY_BASE_S, _RETRY_CAP_S, jitter=0.5)
+    while True:
+        try:
+            return await op()
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError, ConnectionError) as exc:
+            if not is_retryable(exc):
+                raise
+            pause = backoff.delay()
+            if time.monotonic() + pause > deadline:
+                raise as_bus_error(exc, what) from exc
+            log.info("nats.retry", what=what, tries=backoff.retries, pause_s=round(pause, 3), error=str(exc))
+            await asyncio.sleep(pause)
+
+
+async def bucket(js: JetStreamContext, name: str, retry_for_s: float = RETRY_FOR_S) -> KeyValue:
+    """The KV bucket ``name``, read with ``settled`` (``BucketNotFoundError`` when it does not exist)."""
+    return await settled(lambda: js.key_value(name), f"read the bucket {name}", retry_for_s)
 
 
 def _tls_context(security: NatsSecurity) -> ssl.SSLContext | None:
@@ -296,7 +322,7 @@ async def ensure_streams(js: JetStreamContext, max_msg_size: int | None = None, 
             spec = replace(spec, max_msg_size=max_msg_size)
         cfg = stream_config(spec, num_replicas)
         try:
-            await js.add_stream(cfg)
+            await settled(lambda cfg=cfg: js.add_stream(cfg), f"create the stream {spec.name}")
         except BadRequestError:
             try:
                 await js.update_stream(cfg)
@@ -312,7 +338,7 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
     cfg = consumer_config(spec)
     try:
         # The server's consumer-create is create-or-update for a durable whose changes are compatible.
-        await js.add_consumer(spec.stream, cfg)
+        await settled(lambda: js.add_consumer(spec.stream, cfg), f"create the consumer {spec.durable}")
     except BadRequestError as exc:
         log.warning("nats.consumer_not_updated", consumer=spec.durable, stream=spec.stream, error=str(exc))
 
@@ -321,21 +347,21 @@ async def ensure_buckets(js: JetStreamContext, replicas: int | None = None) -> N
     """Create every KV bucket of the contract; an existing bucket of another replica count (made on one server,
     before the move to a cluster) has its stream scaled to ``replicas``."""
     num_replicas = stream_replicas(replicas)
-    for bucket in BUCKETS:
+    for name in BUCKETS:
         try:
-            await js.key_value(bucket)
+            await bucket(js, name)
         except NotFoundError:
+            kv_cfg = js_api.KeyValueConfig(bucket=name, history=BUCKET_HISTORY.get(name, 1),
+                                           replicas=num_replicas, ttl=BUCKET_TTL_S.get(name))
             with contextlib.suppress(BadRequestError):
-                await js.create_key_value(js_api.KeyValueConfig(
-                    bucket=bucket, history=BUCKET_HISTORY.get(bucket, 1), replicas=num_replicas,
-                    ttl=BUCKET_TTL_S.get(bucket)))
+                await settled(lambda kv_cfg=kv_cfg: js.create_key_value(kv_cfg), f"create the bucket {name}")
             continue
-        info = await js.stream_info(f"KV_{bucket}")
+        info = await settled(lambda name=name: js.stream_info(f"KV_{name}"), f"read the bucket {name}")
         if (info.config.num_replicas or 1) != num_replicas:
             try:
                 await js.update_stream(replace(info.config, num_replicas=num_replicas))
             except nats.errors.TimeoutError as exc:  # as in ensure_streams: only the scheduler's user may
-                log.warning("nats.stream_not_updated", stream=f"KV_{bucket}", error=str(exc) or "no answer",
+                log.warning("nats.stream_not_updated", stream=f"KV_{name}", error=str(exc) or "no answer",
                             hint="only the scheduler's NATS user may change a stream's configuration")
 
 

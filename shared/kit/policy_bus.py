@@ -24,6 +24,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import BaseModel
 
 from rollout_ledger.shared.errors import BusError, SchemaError
+from rollout_ledger.shared.kit.bus import bucket as bus_bucket
 from rollout_ledger.shared.kit.bus import bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import sleep_or_stop
@@ -58,7 +59,7 @@ class PolicyBus:
     async def bucket(self, name: str) -> KeyValue:
         kv = self._kv.get(name)
         if kv is None:
-            kv = self._kv[name] = await self.js.key_value(name)
+            kv = self._kv[name] = await bus_bucket(self.js, name)
         return kv
 
     async def announced(self) -> list[PolicyAnnouncement]:

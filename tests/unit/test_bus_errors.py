@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import nats.errors
 import pytest
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, ServiceUnavailableError
 
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.kit import bus
@@ -32,3 +32,37 @@ def test_bus_errors_converts_nats_failures_and_nothing_else() -> None:
     assert not err.value.retryable and isinstance(err.value.__cause__, KeyWrongLastSequenceError)
     with pytest.raises(ValueError, match="a bug"), bus.bus_errors("take a lease"):
         raise ValueError("a bug")
+
+
+class _Answers:
+    """A fake JetStream API request: raises each of ``failures`` in turn, then answers ``"ok"``."""
+
+    def __init__(self, *failures: Exception) -> None:
+        self.failures = list(failures)
+        self.calls = 0
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return "ok"
+
+
+async def test_settled_retries_what_passes_until_the_server_answers() -> None:
+    op = _Answers(nats.errors.TimeoutError(), ServiceUnavailableError(code=503, description="no meta leader"))
+    assert await bus.settled(op, "create the stream RL_WORK", retry_for_s=10.0) == "ok"
+    assert op.calls == 3
+
+
+async def test_settled_raises_a_refusal_as_nats_raised_it_at_once() -> None:
+    op = _Answers(BadRequestError(code=400, err_code=10058, description="stream name already in use"))
+    with pytest.raises(BadRequestError):
+        await bus.settled(op, "create the stream RL_WORK", retry_for_s=10.0)
+    assert op.calls == 1
+
+
+async def test_settled_gives_up_with_a_retryable_bus_error_when_its_time_is_spent() -> None:
+    op = _Answers(*[nats.errors.TimeoutError() for _ in range(100)])
+    with pytest.raises(BusError, match="create the stream RL_WORK failed: TimeoutError") as err:
+        await bus.settled(op, "create the stream RL_WORK", retry_for_s=0.05)
+    assert err.value.retryable and 1 <= op.calls < 100

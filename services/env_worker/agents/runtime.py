@@ -22,6 +22,7 @@ from rollout_ledger.services.env_worker.attempt import AttemptDeps
 from rollout_ledger.services.env_worker.sessions.app import SessionRegistry, session_app
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.shared.events import EpisodeRequested, dumps
+from rollout_ledger.shared.kit.bus import bucket
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import HttpServer
 from rollout_ledger.shared.subjects import ENVS_BUCKET, env_key
@@ -89,7 +90,7 @@ class AgentRuntime:
 
     async def register(self, js: JetStreamContext, worker_id: str) -> None:
         """Advertise every agent in the ``rl_envs`` bucket (the scheduler accepts their names as envs)."""
-        kv = await js.key_value(ENVS_BUCKET)
+        kv = await bucket(js, ENVS_BUCKET)
         for spec in self.agents.values():
             await kv.put(env_key(spec.name), dumps(spec.advert(registered_by=worker_id)))
 
