@@ -1,16 +1,16 @@
 """The record shapes a trainer takes (openrlhf, slime, verl, trl; ``full``, the whole stored record): their Arrow
 schemas (``SCHEMAS``; the fields of JSON text are marked in them, ``json_fields``), the stored fields each reads
-(``FIELDS``), and the samples a trajectory maps to (``spans``). ``tables.table`` builds every record of a chunk, by
+(``FIELDS``), and the samples a trajectory maps to (``samples``). ``tables.table`` builds every record of a chunk, by
 column: it is the one definition of each shape, and the records of JSONL and the examples are read off its table
 (``tables.records``).
 
-A trajectory becomes one sample per **span**:
+A trajectory becomes one sample per unit:
 
-- unit ``segment`` (default): one span per segment (a context the policy saw). Its prompt is the segment's
+- unit ``segment`` (default): one sample per segment (a context the policy saw). Its prompt is the segment's
   tokens before its first sampled token (segment 0: the rendered prompt; a later segment: the re-rendered
   context, mask 0); its response runs to the end of the segment (sampled ids, mask 1, and the observation ids
   between turns, mask 0). A segment without sampled tokens has nothing to train and gives no sample.
-- unit ``turn``: one span per sampled turn: the prompt is everything of its segment before the turn, the
+- unit ``turn``: one sample per sampled turn: the prompt is everything of its segment before the turn, the
   response is that turn's sampled ids.
 
 Every sample carries the episode's reward and its group's advantage, its task and ids (trainers group by
@@ -37,8 +37,9 @@ class Unit(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class Span:
-    """``[start, prompt_end)`` is a sample's prompt and ``[prompt_end, end)`` its response, in trajectory positions."""
+class SampleBounds:
+    """``[start, prompt_end)`` is a sample's prompt and ``[prompt_end, end)`` its response, in trajectory positions;
+    the ``index``-th of its trajectory's ``count`` samples."""
 
     start: int
     prompt_end: int
@@ -47,7 +48,7 @@ class Span:
     count: int
 
 
-def span_bounds(segments: Sequence[Sequence[int]], action_ranges: Sequence[Sequence[int]],
+def sample_bounds(segments: Sequence[Sequence[int]], action_ranges: Sequence[Sequence[int]],
                 unit: Unit = Unit.SEGMENT) -> list[tuple[int, int, int]]:
     """(start, prompt_end, end) of each sample of a trajectory with these segments and action ranges."""
     ranges = [(a, b) for a, b in action_ranges if b > a]
@@ -64,10 +65,10 @@ def span_bounds(segments: Sequence[Sequence[int]], action_ranges: Sequence[Seque
     return out
 
 
-def spans(row: Mapping[str, Any], unit: Unit = Unit.SEGMENT) -> list[Span]:
+def samples(row: Mapping[str, Any], unit: Unit = Unit.SEGMENT) -> list[SampleBounds]:
     """The samples a trajectory maps to (see the module docstring)."""
-    out = span_bounds(row["segments"], row["action_ranges"], unit)
-    return [Span(s, p, e, i, len(out)) for i, (s, p, e) in enumerate(out)]
+    out = sample_bounds(row["segments"], row["action_ranges"], unit)
+    return [SampleBounds(s, p, e, i, len(out)) for i, (s, p, e) in enumerate(out)]
 
 
 SLIME_STATUS = {"completed": "completed", "truncated": "truncated"}

@@ -1,5 +1,5 @@
 """A chunk of selected trajectories held by column (``Chunk``): each per-token array of the whole chunk is one flat
-numpy array with row offsets, action ranges and segments are flat ``Spans``; every other field is an Arrow array
+numpy array with row offsets, action ranges and segments are ``FlatRanges``; every other field is an Arrow array
 (one value per row; as read, without a Python object per value), JSON fields a list of Python values.
 
 Reading (``source.arrow_chunk``): ``token_ids`` come as the packed little-endian copy
@@ -167,7 +167,7 @@ def offsets(counts: np.ndarray, dtype: type[np.integer[Any]] = np.int64) -> np.n
 
 
 @dataclass(frozen=True)
-class Spans:
+class FlatRanges:
     """``[start, end)`` pairs of every row of a chunk, in chunk positions, row ``i``'s being
     ``[offsets[i], offsets[i + 1])`` of ``lo`` / ``hi`` (action ranges, with ``versions``; segments)."""
 
@@ -182,7 +182,7 @@ class _Arrays(dict[str, np.ndarray]):
     ``logprobs`` spread from the sampled tokens' ones, when first asked for (a record shape that needs none of them
     never builds them)."""
 
-    def __init__(self, given: dict[str, np.ndarray], total: int, ranges: Spans,
+    def __init__(self, given: dict[str, np.ndarray], total: int, ranges: FlatRanges,
                  sampled_logprobs: np.ndarray | None = None) -> None:
         super().__init__(given)
         self._total, self._ranges, self._sampled = total, ranges, sampled_logprobs
@@ -204,14 +204,14 @@ class Chunk(Sequence[dict[str, Any]]):
     """Selected trajectories by column: ``columns`` (one Arrow array per scalar field: ids, counts...), ``json``
     (the ``JSON_FIELDS`` read, one Python value per row), ``arrays`` (each of ``ARRAYS`` as one flat array of the
     rows laid end to end), ``offsets`` (row ``i`` is ``[offsets[i], offsets[i + 1])`` of every array), and the
-    rows' action ranges (with the weight version of each) and segments as flat ``Spans``."""
+    rows' action ranges (with the weight version of each) and segments as flat ``FlatRanges``."""
 
     columns: dict[str, pa.Array]
     json: dict[str, list[Any]]
     arrays: dict[str, np.ndarray]
     offsets: np.ndarray
-    ranges: Spans
-    segments: Spans
+    ranges: FlatRanges
+    segments: FlatRanges
     _lists: dict[str, list[Any]] = field(default_factory=dict, repr=False)
 
     def values(self, name: str) -> list[Any]:
@@ -259,7 +259,7 @@ class Chunk(Sequence[dict[str, Any]]):
 
     @classmethod
     def empty(cls) -> Chunk:
-        none = Spans(np.empty(0, np.int64), np.empty(0, np.int64), np.zeros(1, np.int64), np.empty(0, np.int32))
+        none = FlatRanges(np.empty(0, np.int64), np.empty(0, np.int64), np.zeros(1, np.int64), np.empty(0, np.int32))
         return cls({}, {}, {name: np.empty(0, np.float32 if name == "logprobs" else np.int32) for name in ARRAYS},
                    np.zeros(1, np.int64), none, none)
 
@@ -294,9 +294,9 @@ class Chunk(Sequence[dict[str, Any]]):
         arrow = {name: col if isinstance(col, pa.Array) else pa.array(list(col))
                  for name, col in columns.items() if name not in JSON_FIELDS}
         json = {name: list(col) for name, col in columns.items() if name in JSON_FIELDS}
-        spans = Spans(lo, hi, offsets(range_counts), vers)
+        spans = FlatRanges(lo, hi, offsets(range_counts), vers)
         return cls(arrow, json, _Arrays({"token_ids": token_ids}, len(token_ids), spans, sampled_logprobs),
-                   offsets(lengths), spans, Spans(seg_lo, seg_hi, offsets(segment_counts)))
+                   offsets(lengths), spans, FlatRanges(seg_lo, seg_hi, offsets(segment_counts)))
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> Chunk:

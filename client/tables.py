@@ -48,7 +48,7 @@ def _each_once(values: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
 
 class Samples:
     """The samples of a chunk: for each, its row and ``[start, prompt_end, end)`` in the chunk's flat arrays,
-    found for the whole chunk at once (``records.span_bounds`` per trajectory is the reference; the chunk's
+    found for the whole chunk at once (``records.sample_bounds`` per trajectory is the reference; the chunk's
     segments and ranges are ordered and disjoint, ``Chunk.build`` checks it)."""
 
     def __init__(self, chunk: Chunk, unit: Unit) -> None:
@@ -78,7 +78,7 @@ class Samples:
         self.start, self.prompt_end, self.end = start, prompt_end, end
         base = offsets[:-1][self.rows]
         self.rel = np.stack([start - base, prompt_end - base, end - base], axis=1).reshape(-1, 3)
-        """Span bounds relative to their trajectory (what records carry)."""
+        """Sample bounds relative to their trajectory (what records carry)."""
         self.index = (np.arange(len(rows)) - first_of_row[rows]).tolist()
         self.count = count[rows].tolist()
         self._one_each = len(rows) == n and bool(np.all(count == 1))

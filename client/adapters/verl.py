@@ -430,7 +430,7 @@ def sample_of(trajectory: Mapping[str, Any], response_length: int) -> LedgerSamp
     ids = np.asarray(trajectory["token_ids"], np.int32)
     mask = np.asarray(trajectory["loss_mask"], np.int32)
     logprobs = np.asarray(trajectory["logprobs"], np.float32)
-    found = records.spans({"segments": trajectory["segments"], "action_ranges": trajectory["action_ranges"]})
+    found = records.samples({"segments": trajectory["segments"], "action_ranges": trajectory["action_ranges"]})
     if found:
         s, p, e = found[-1].start, found[-1].prompt_end, found[-1].end
     else:  # nothing sampled (it failed at its first turn): the prompt alone

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rollout_ledger.cli.stack.supervisor import Stack
-from rollout_ledger.client.records import spans
+from rollout_ledger.client.records import samples
 from rollout_ledger.shared.kit.chat import load_chat_tokenizer
 from tests.e2e.conftest import E2E_MAX_MODEL_LEN, InProcessWorker
 from tests.helpers import AUTH, Sql, wait_for
@@ -89,8 +89,8 @@ def test_openai_sdk_agents_on_the_real_model(stack: Stack, database_url: str, mo
         tr = check_segments(sql, str(windowed["id"]))
         assert tr["num_turns"] >= 1 and tr["num_segments"] == tr["num_turns"]
         assert tr["drifts"] == [{"turn": t, "class": "window"} for t in range(tr["num_turns"] - 1)]
-        samples = spans(tr)  # what the exporter writes: one training sample per turn, its window as the prompt
-        assert [(s.start, s.end) for s in samples] == [tuple(seg) for seg in tr["segments"]]
+        found = samples(tr)  # what the exporter writes: one training sample per turn, its window as the prompt
+        assert [(s.start, s.end) for s in found] == [tuple(seg) for seg in tr["segments"]]
         assert check_token_exact(sql, batches["guess-number"]) == 1
         print("\nagent episodes:", sql.rows(  # a summary for -s runs
             "select e.env, e.status, e.reward, t.num_turns, t.num_segments, t.num_sampled_tokens, t.num_tokens "

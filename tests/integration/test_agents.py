@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from rollout_ledger.cli.stack.supervisor import Stack
-from rollout_ledger.client.records import spans
+from rollout_ledger.client.records import samples
 from rollout_ledger.services.envs.tools import format_call
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.chat import ChatTokenizer
@@ -159,7 +159,7 @@ async def test_agent_episodes_are_recorded_token_exact(stack: Stack, nc: bus.NAT
             assert check_token_exact(sql, items[name].batch_id) == 1
             tr = check_segments(sql, items[name].episode_id)
             assert tr["num_segments"] == (2 if name in ("rewrite", "langchain") else 1)
-            assert len(spans(tr)) == tr["num_segments"]  # the exporter's training samples: one per segment
+            assert len(samples(tr)) == tr["num_segments"]  # the exporter's training samples: one per segment
         for name, result in (("langchain", 9), ("openai_agents", 13)):
             sdk_tr = sql.rows("select token_ids, action_ranges from trajectories where episode_id = :e",
                               e=items[name].episode_id)[0]

@@ -23,7 +23,7 @@ import pytest
 
 from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.client.reader import Selection, TrajectoryReader
-from rollout_ledger.client.records import spans
+from rollout_ledger.client.records import samples
 from tests.helpers import API_TOKEN, AUTH, Sql, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def _run_verl(url: str, model_dir: str, work: Path) -> dict[str, Any]:
 
 def _check_row(row: dict[str, Any], traj: dict[str, Any]) -> tuple[int, int, int]:
     """One row of verl's batch against its stored trajectory; the row's (start, prompt_end, end)."""
-    found = spans(traj)
+    found = samples(traj)
     assert len(found) == 1, "the episodes here have one segment each"
     s, p, e = found[-1].start, found[-1].prompt_end, found[-1].end
     ids, mask = np.asarray(traj["token_ids"]), np.asarray(traj["loss_mask"])

@@ -10,7 +10,7 @@ import pytest
 
 from rollout_ledger.client import tables
 from rollout_ledger.client.advantages import AdvantageKind, AdvantageSpec
-from rollout_ledger.client.records import SCHEMAS, Span, Unit, json_fields, spans
+from rollout_ledger.client.records import SCHEMAS, SampleBounds, Unit, json_fields, samples
 from rollout_ledger.client.rows import Chunk, rebuild_sampled, sampled_of, spread
 from rollout_ledger.client.selection import RewardChoice, Selection
 from rollout_ledger.client.tables import records
@@ -42,10 +42,10 @@ def two_segment_row() -> dict:
 
 def test_segments_map_to_one_span_each_with_the_context_as_prompt() -> None:
     row = two_segment_row()
-    assert spans(row) == [Span(0, 4, 9, 0, 2), Span(9, 15, 17, 1, 2)]
-    assert spans(row, Unit.TURN) == [Span(0, 4, 7, 0, 2), Span(9, 15, 17, 1, 2)]
+    assert samples(row) == [SampleBounds(0, 4, 9, 0, 2), SampleBounds(9, 15, 17, 1, 2)]
+    assert samples(row, Unit.TURN) == [SampleBounds(0, 4, 7, 0, 2), SampleBounds(9, 15, 17, 1, 2)]
     row["segments"] = [[0, 9], [9, 12], [12, 17]]  # a segment without a sampled token trains nothing
-    assert [(s.start, s.prompt_end, s.end) for s in spans(row)] == [(0, 4, 9), (12, 15, 17)]
+    assert [(s.start, s.prompt_end, s.end) for s in samples(row)] == [(0, 4, 9), (12, 15, 17)]
 
 
 def one(row: dict, shape: str, unit: Unit = Unit.SEGMENT) -> list[dict]:

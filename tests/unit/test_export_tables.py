@@ -1,7 +1,8 @@
 """The columnar table builder (``tables.table``, the one definition of every record shape) gives exactly the
 records a plain per-sample reference computes (``expected``: Python slicing of each trajectory along
-``records.spans``), for every shape and unit, on random trajectories as the recorder assembles them (empty turns,
-several segments, several weight versions, no reward, failed and truncated ones); JSON text byte for byte."""
+``records.samples``), for every shape and unit, on random trajectories as the recorder assembles them
+(empty turns, several segments, several weight versions, no reward, failed and truncated ones); JSON text byte for
+byte."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollout_ledger.client.records import SCHEMAS, SLIME_STATUS, Unit, json_fields, spans
+from rollout_ledger.client.records import SCHEMAS, SLIME_STATUS, Unit, json_fields, samples
 from rollout_ledger.client.rows import Chunk, sampled_of, unpack
 from rollout_ledger.client.tables import json_column, json_rows, records, slices, table
 from rollout_ledger.services.exporter.writers import write_file
@@ -62,7 +63,7 @@ def expected(row: dict, shape: str, unit: Unit) -> list[dict]:
         return [{**{k: row[k] for k in SCHEMAS["full"].names if k != "reward_source"},
                  "reward_source": row["reward_source"] or "rollout"}]
     out = []
-    for sp in spans(row, unit):
+    for sp in samples(row, unit):
         s, p, e = sp.start, sp.prompt_end, sp.end
         tok, mask, lp = row["token_ids"], row["loss_mask"], row["logprobs"]
         rec = {"episode_id": row["episode_id"], "group_id": row["group_id"], "batch_id": row["batch_id"],
