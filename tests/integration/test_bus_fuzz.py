@@ -290,11 +290,17 @@ async def test_hostile_bus_messages_are_dead_lettered_and_change_nothing(stack: 
                 missing.append(s)
         return missing
 
-    for _ in range(240):  # up to ~2 min
-        if not (missing := await stored()):
-            break
-        await asyncio.sleep(0.5)
-    assert not missing, f"not dead-lettered: {[(m.stream, m.seq, m.subject, m.what) for m in missing][:20]}"
+    missing: list[Sent] = []
+
+    async def all_stored() -> bool:
+        missing[:] = await stored()
+        return not missing
+
+    try:
+        await until(all_stored, 120, "every message stored or dead-lettered", interval_s=0.5)
+    except AssertionError as timed_out:
+        raise AssertionError(f"not dead-lettered: {[(m.stream, m.seq, m.subject, m.what) for m in missing][:20]}") \
+            from timed_out
     # the ghost episode's work item ran: every event it made was dead-lettered as an unknown episode
     await until(lambda: sql.scalar("SELECT count(*) FROM dead_letters WHERE reason LIKE :r AND subject IN "
                                    "('rl.events.episode.finished', 'rl.events.episode.failed')",

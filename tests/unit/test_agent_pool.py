@@ -20,6 +20,7 @@ import pytest
 from rollout_ledger.services.env_worker.agents import pool as agent_pool
 from rollout_ledger.services.env_worker.agents.pool import AgentPool
 from rollout_ledger.services.env_worker.agents.run import AgentRun, RunEnd
+from tests.helpers import until
 
 HERE = "tests.unit.test_agent_pool"
 
@@ -42,7 +43,8 @@ def _parse(text: str) -> float:
 
 
 async def sleeps(task: dict[str, Any], client: Any) -> float:
-    """Sleeps; leaves a mark when it is cancelled."""
+    """Sleeps; marks that it started, and again when it is cancelled."""
+    Path(task["mark"]).write_text("started")  # noqa: ASYNC240 - a one-off mark the test reads
     try:
         await asyncio.sleep(60)
     except asyncio.CancelledError:
@@ -151,13 +153,9 @@ async def test_a_process_blocking_past_the_deadline_is_killed(pool: AgentPool, m
 async def test_cancelling_a_run_cancels_it_in_its_process(pool: AgentPool, tmp_path: Path) -> None:
     mark = tmp_path / "mark"
     task = asyncio.create_task(pool.run(run("sleeps", mark=str(mark))))
-    await asyncio.sleep(0.3)
+    await until(lambda: mark.exists() and mark.read_text() == "started", 30, "the run started in its process")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(50):
-        if mark.exists():
-            break
-        await asyncio.sleep(0.05)
-    assert mark.read_text() == "cancelled"
+    await until(lambda: mark.read_text() == "cancelled", 30, "the run cancelled in its process")
     assert all(not p.pending for p in pool.procs)

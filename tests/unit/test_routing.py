@@ -17,6 +17,7 @@ from rollout_ledger.services.scheduler import routing as sched_routing
 from rollout_ledger.shared import subjects as sj
 from rollout_ledger.shared.nats_auth import may
 from rollout_ledger.shared.route_advert import RouteAdvert
+from tests.helpers import until
 
 
 def _spec(name: str, family: str = "") -> EnvSpec:
@@ -228,10 +229,7 @@ async def test_a_busy_route_among_more_idle_routes_than_slots_is_served() -> Non
                 await asyncio.sleep(0)
 
     pullers = [asyncio.create_task(pull(r)) for r in queued]
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if not queued["r7"] and not tasks:
-            break
+    await until(lambda: not queued["r7"] and not tasks, 30, "route r7's queue emptied and its tasks done")
     stop.set()
     await asyncio.gather(*pullers)
     assert queued["r7"] == 0 and peak[0] <= 4
