@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -322,7 +323,7 @@ async def ensure_streams(js: JetStreamContext, max_msg_size: int | None = None, 
             spec = replace(spec, max_msg_size=max_msg_size)
         cfg = stream_config(spec, num_replicas)
         try:
-            await settled(lambda cfg=cfg: js.add_stream(cfg), f"create the stream {spec.name}")
+            await settled(functools.partial(js.add_stream, cfg), f"create the stream {spec.name}")
         except BadRequestError:
             try:
                 await js.update_stream(cfg)
@@ -354,9 +355,9 @@ async def ensure_buckets(js: JetStreamContext, replicas: int | None = None) -> N
             kv_cfg = js_api.KeyValueConfig(bucket=name, history=BUCKET_HISTORY.get(name, 1),
                                            replicas=num_replicas, ttl=BUCKET_TTL_S.get(name))
             with contextlib.suppress(BadRequestError):
-                await settled(lambda kv_cfg=kv_cfg: js.create_key_value(kv_cfg), f"create the bucket {name}")
+                await settled(functools.partial(js.create_key_value, kv_cfg), f"create the bucket {name}")
             continue
-        info = await settled(lambda name=name: js.stream_info(f"KV_{name}"), f"read the bucket {name}")
+        info = await settled(functools.partial(js.stream_info, f"KV_{name}"), f"read the bucket {name}")
         if (info.config.num_replicas or 1) != num_replicas:
             try:
                 await js.update_stream(replace(info.config, num_replicas=num_replicas))
