@@ -13,7 +13,7 @@ from datetime import datetime
 from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
-from rollout_ledger.shared.kit.bus import bucket
+from rollout_ledger.shared.kit.bus import best_effort, bucket
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import CANCEL_BUCKET
 
@@ -62,7 +62,7 @@ class CancelWatch:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._watcher is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("stop the cancel marks' watcher"):
                 await self._watcher.stop()
 
 

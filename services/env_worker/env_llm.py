@@ -16,7 +16,6 @@ driver binds for the episode (``episode_id``, ``batch_id``, ``attempt``), since 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import uuid
 from collections import OrderedDict
@@ -33,6 +32,7 @@ from rollout_ledger.services.envs.base import Message
 from rollout_ledger.shared.errors import InferenceError, SchemaError
 from rollout_ledger.shared.events import InferenceRequested, SamplingParams, TurnGenerated, encode
 from rollout_ledger.shared.kit.backoff import backoff_delay
+from rollout_ledger.shared.kit.bus import best_effort
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import INFER_CANCEL, POLICY_POOL, infer_pool_subject
@@ -129,7 +129,7 @@ class ServedEnvLLM:
                 reply = await self.client.request_once(subject, encode(request), None, request.request_id)
                 return turn_of(reply, subject)  # the client's own reply check (error headers)
             except asyncio.CancelledError:  # the episode stopped waiting: let the pool's worker abort it
-                with contextlib.suppress(Exception):
+                with best_effort("cancel an env LLM request"):
                     await self.client.nc.publish(INFER_CANCEL, request.request_id.encode())
                 raise
             except TryFailed as exc:

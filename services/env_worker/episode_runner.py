@@ -169,7 +169,8 @@ class EpisodeRunner:
         while True:
             await asyncio.sleep(run.term.every_s)
             for m in list(run.msgs):
-                with contextlib.suppress(Exception):  # a lost ping only risks a redelivery, which the lease holds
+                # a lost ping only risks a redelivery, which the lease holds
+                with bus.best_effort("tell JetStream an item is in progress"):
                     await m.in_progress()
             try:
                 run.revision = await self.leases.refresh(episode_id, run.lease, run.revision)
@@ -188,7 +189,7 @@ class EpisodeRunner:
 
     async def _hand_back(self, run: _Running, episode_id: str, delay_s: float | None = None) -> None:
         """Nak the item (another attempt, here or elsewhere) and release its lease so that attempt need not wait."""
-        with contextlib.suppress(Exception):
+        with bus.best_effort("nak an item to retry"):
             await run.msgs[-1].nak(delay=delay_s)
         await self.leases.release(episode_id, run.revision)
 
@@ -201,7 +202,7 @@ class EpisodeRunner:
             outcome = await self._attempt(run, item, attempt)
             await bus.ack_sync(run.msgs[-1], self.settings.publish_timeout_s)  # tried again through an election
             for m in run.msgs[:-1]:
-                with contextlib.suppress(Exception):
+                with bus.best_effort("ack a finished item"):
                     await m.ack()
             # after the ack: a delivery that finds the lease gone then finds the item gone from the queue too
             await self.leases.release(item.episode_id, run.revision)

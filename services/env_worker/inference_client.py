@@ -32,6 +32,7 @@ from rollout_ledger.services.env_worker.inference_recovery import TurnRecovery
 from rollout_ledger.services.env_worker.inference_request import TurnRequests
 from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable, parse_heartbeat
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated
+from rollout_ledger.shared.kit.bus import best_effort
 from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.subjects import INFER_HEARTBEAT
 
@@ -100,7 +101,7 @@ class InferenceClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         for sub in self._subs:
-            with contextlib.suppress(Exception):
+            with best_effort("unsubscribe"):
                 await sub.unsubscribe()
         self._subs.clear()
         await self.requests.stop()

@@ -127,7 +127,7 @@ class TurnRecovery:
                         fut.set_result(msg)
                         found += 1
             finally:
-                with contextlib.suppress(Exception):
+                with bus.best_effort("unsubscribe the recovery inbox"):
                     await sub.unsubscribe()
         except Exception as exc:  # NATS gone again: the tries fail over by heartbeat or timeout as usual
             log.warning("inference.recover_failed", error=f"{type(exc).__name__}: {exc}")

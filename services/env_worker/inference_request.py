@@ -10,7 +10,6 @@ subscription, one deadline sweeper, no timer or task per request), so a try can 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Iterable
 
 from nats.aio.client import Client as NATS
@@ -21,6 +20,7 @@ from rollout_ledger.services.env_worker.inference_workers import WorkerState, Wo
 from rollout_ledger.shared.errors import InferenceError, NewerContractError, SchemaError
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, decode_as, encode
 from rollout_ledger.shared.kit.backoff import backoff_delay
+from rollout_ledger.shared.kit.bus import best_effort
 from rollout_ledger.shared.kit.inbox import ReplyInbox
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.tracing import Tracing
@@ -128,7 +128,7 @@ class TurnRequests:
                 turn = turn_of(reply, subject)
             except asyncio.CancelledError:
                 # The episode stopped waiting (its deadline passed): let the worker abort the generation.
-                with contextlib.suppress(Exception):
+                with best_effort("cancel a turn request"):
                     await self.nc.publish(INFER_CANCEL, request.request_id.encode())
                 raise
             except TryFailed as exc:

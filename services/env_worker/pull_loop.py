@@ -5,7 +5,6 @@ each; the tasks in flight are what ``concurrency`` bounds and what the drain wai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -68,7 +67,7 @@ class PullLoop:
             backoff.retries = 0
             for msg in msgs:
                 if shutdown.requested:
-                    with contextlib.suppress(Exception):
+                    with bus.best_effort("nak an item past the free slots"):
                         await msg.nak()
                     continue
                 task = asyncio.create_task(handle(msg))

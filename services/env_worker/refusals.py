@@ -14,12 +14,11 @@ the max-deliveries advisory dead-letters it through the recorder instead), so a 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from nats.aio.msg import Msg
 
 from rollout_ledger.shared.errors import BusError
-from rollout_ledger.shared.kit.bus import ack_sync, keep_in_progress
+from rollout_ledger.shared.kit.bus import ack_sync, best_effort, keep_in_progress
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.publisher import Producer
 from rollout_ledger.shared.subjects import (
@@ -64,11 +63,11 @@ async def reject_work_item(producer: Producer, msg: Msg, reason: str) -> bool:
                                WORK_DEAD_LETTER_SUBJECT, headers)
     except BusError as exc:  # the item stays on the queue: a later delivery (or the advisory) dead-letters it
         log.warning("work_item.dead_letter_failed", stream_seq=seq, error=str(exc))
-        with contextlib.suppress(Exception):
+        with best_effort("nak a handed-back item"):
             await msg.nak(delay=_HANDED_BACK_DELAY_S)
         return False
     log.error("work_item.dead_lettered", stream_seq=seq, reason=reason[:300])
-    with contextlib.suppress(Exception):
+    with best_effort("terminate a refused item"):
         await msg.term()
     return True
 
@@ -93,7 +92,7 @@ async def hand_back(producer: Producer, msg: Msg, delay_s: float, timeout_s: flo
     try:
         await producer.publish("work_item.hand_back", msg_id, bytes(msg.data), msg.subject, headers)
     except BusError:
-        with contextlib.suppress(Exception):
+        with best_effort("nak an item to retry"):
             await msg.nak(delay=delay_s)
         raise
     await ack_sync(msg, timeout_s)

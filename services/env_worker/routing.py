@@ -14,7 +14,6 @@ empty keeps a one-item probe open, the routes that found work share the free slo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from nats.js import JetStreamContext
 from rollout_ledger.services.envs.base import EnvSpec
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.events import dumps
-from rollout_ledger.shared.kit.bus import bucket, bus_errors
+from rollout_ledger.shared.kit.bus import best_effort, bucket, bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import ticks
 from rollout_ledger.shared.route_advert import RouteAdvert
@@ -103,7 +102,7 @@ async def report_forever(js: JetStreamContext, report: WorkerReport, stop: async
                 await kv.put(key, report.encode())
         except BusError as exc:  # NATS reconnecting: the next tick writes it again
             log.warning("env_worker.report_failed", error=str(exc))
-    with contextlib.suppress(Exception):
+    with best_effort("delete this worker's report"):
         await kv.delete(key)
 
 

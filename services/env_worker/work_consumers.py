@@ -4,8 +4,6 @@ subscription, declared and bound again when the server refused it or lost it."""
 
 from __future__ import annotations
 
-import contextlib
-
 from nats.js import JetStreamContext
 
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
@@ -59,12 +57,12 @@ class WorkConsumers:
 
     async def rebind(self, route: str, shutdown: Shutdown) -> None:
         """Drop the pull of ``route`` (e.g. its consumer is gone) and declare and bind it again."""
-        with contextlib.suppress(Exception):
+        with bus.best_effort("unsubscribe a route's consumer"):
             await self.subs.pop(route).unsubscribe()
         await self.bind(route, shutdown)
 
     async def close(self) -> None:
         """Unsubscribe every pull (best effort: the worker is stopping)."""
         for psub in self.subs.values():
-            with contextlib.suppress(Exception):
+            with bus.best_effort("unsubscribe a route's consumer"):
                 await psub.unsubscribe()

@@ -33,7 +33,6 @@ recorder. A request without one (an older env worker, an env's own generation) i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -181,7 +180,7 @@ class InferenceServer:
     async def heartbeat(self) -> None:
         if not self.identity.is_policy:  # a worker of another pool is never routed policy turns by heartbeat
             return
-        with contextlib.suppress(Exception):  # a missed heartbeat is harmless; the next one follows
+        with bus.best_effort("publish a heartbeat"):  # a missed heartbeat is harmless; the next one follows
             await self.nc.publish(INFER_HEARTBEAT, dumps(self.heartbeat_payload()))
 
     async def _heartbeat_loop(self) -> None:
@@ -193,7 +192,7 @@ class InferenceServer:
         self.draining = True
         await self.heartbeat()
         for sub in self._subs:
-            with contextlib.suppress(Exception):
+            with bus.best_effort("drain a subscription"):
                 await asyncio.wait_for(sub.drain(), timeout=5)
         self._subs.clear()
         log.info("inference.draining", inflight=self.inflight, timeout_s=timeout_s)
@@ -210,7 +209,7 @@ class InferenceServer:
         if self._heartbeat_task is not None:
             await self._heartbeat_task
         await self.publisher.stop()
-        with contextlib.suppress(Exception):
+        with bus.best_effort("flush"):
             await self.nc.flush(timeout=5)
         log.info("inference.drained")
 
@@ -259,7 +258,7 @@ class InferenceServer:
                 log.info("inference.publish_retry_after_reconnect", request_id=event.request_id, error=str(exc))
 
     async def _reply_error(self, msg: Msg, error_class: str, retryable: bool, message: str) -> None:
-        with contextlib.suppress(Exception):
+        with bus.best_effort("reply with an error"):
             await self.nc.publish(msg.reply, message.encode(), headers=error_headers(error_class, retryable))
 
     async def _serve(self, msg: Msg, received: float) -> None:

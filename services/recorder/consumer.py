@@ -12,7 +12,6 @@ batch's write joins the trace of every episode it holds events of (traces.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable
@@ -233,7 +232,7 @@ class EventConsumer:
     async def _settle(self, msgs: list[Msg], outcome: BatchOutcome) -> None:
         delay = self.settings.assembly_retry_delay_s
         for msg, action in zip(msgs, outcome.actions, strict=True):
-            with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is idempotent
+            with bus.best_effort("ack or nak a recorded event"):  # a lost ack means a redelivery, which is idempotent
                 if action is Action.ACK:
                     await msg.ack()
                 elif action is Action.NAK:
@@ -242,7 +241,7 @@ class EventConsumer:
                     await msg.nak(delay=self.settings.park_delay_s)
                 else:
                     await msg.term()
-        with contextlib.suppress(Exception):
+        with bus.best_effort("flush the acks"):
             await self.nc.flush(timeout=5)
         for event_type, n in outcome.processed.items():
             self.metrics.events_processed.labels(type=event_type).inc(n)
@@ -453,7 +452,8 @@ class DeadLetterConsumer:
         async with self.store.transaction() as tx:
             await tx.add_dead_letters(letters)
         for msg in msgs:
-            with contextlib.suppress(Exception):  # a lost ack means a redelivery, which stores nothing twice
+            # a lost ack means a redelivery, which stores nothing twice
+            with bus.best_effort("ack a dead-lettered work item"):
                 await msg.ack()
         self.metrics.dead_letters.labels(reason_class="rejected_work").inc(len(letters))
         log.warning("recorder.rejected_messages_stored", count=len(letters))

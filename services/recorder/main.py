@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from nats.js import JetStreamContext
 
@@ -81,7 +80,7 @@ async def _wait_for_store(store: Store, settings: RecorderSettings, shutdown: Sh
 async def _poll_pending(psub: JetStreamContext.PullSubscription, metrics: RecorderMetrics, settings: RecorderSettings,
                         shutdown: Shutdown) -> None:
     async for _ in ticks(shutdown, settings.pending_poll_s):
-        with contextlib.suppress(Exception):
+        with bus.best_effort("read the consumer's pending count"):
             info = await psub.consumer_info()
             metrics.pending.set(info.num_pending or 0)
 
@@ -146,7 +145,7 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
 
 async def _unsubscribe(subs: list[JetStreamContext.PullSubscription]) -> None:
     for sub in subs:
-        with contextlib.suppress(Exception):  # best effort: the connection closes next
+        with bus.best_effort("unsubscribe"):  # best effort: the connection closes next
             await sub.unsubscribe()
 
 

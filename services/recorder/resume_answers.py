@@ -10,7 +10,6 @@ later attempt already started, offers nothing (``reason`` says why).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from nats.aio.subscription import Subscription
 
 from rollout_ledger.shared import resume as contract
 from rollout_ledger.shared.errors import SchemaError, StoreError
+from rollout_ledger.shared.kit.bus import best_effort
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.resume import PAGE_BYTES, RecordedTurn, ResumeQuery, ResumeRecord
 from rollout_ledger.shared.subjects import RESUME_QUEUE, RESUME_SUBJECT, error_headers
@@ -50,7 +50,7 @@ class ResumeResponder:
 
     async def stop(self) -> None:
         if self.sub is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("unsubscribe the resume queries"):
                 await self.sub.unsubscribe()
 
     async def _on_query(self, msg: Msg) -> None:
@@ -73,7 +73,7 @@ class ResumeResponder:
         await self._respond(msg, contract.encode(record), None)
 
     async def _respond(self, msg: Msg, data: bytes, headers: dict[str, str] | None) -> None:
-        with contextlib.suppress(Exception):  # the asker gave up or the connection is gone: it starts at turn 0
+        with best_effort("answer a resume query"):  # the asker gave up or the connection is gone: it starts at turn 0
             await self.nc.publish(msg.reply, data, headers=headers)
 
     async def answer(self, query: ResumeQuery) -> ResumeRecord:

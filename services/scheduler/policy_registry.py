@@ -11,7 +11,6 @@ older request). A POST retried after the announcement failed announces again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from rollout_ledger.services.scheduler.env_registry import bucket_keys
 from rollout_ledger.services.scheduler.schemas import PolicyVersionCreate
 from rollout_ledger.shared.db import policy_versions, policy_worker_states, row_dict
 from rollout_ledger.shared.errors import BusError, SchemaError
-from rollout_ledger.shared.kit.bus import bus_errors
+from rollout_ledger.shared.kit.bus import best_effort, bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import parse_announcement
 from rollout_ledger.shared.kit.runtime import sleep_or_stop
@@ -220,5 +219,5 @@ async def _mirror_once(kv: KeyValue, engine: AsyncEngine, stop: asyncio.Event,
             if on_report is not None:
                 on_report()
     finally:
-        with contextlib.suppress(Exception):
+        with best_effort("stop the policy watcher"):
             await watcher.stop()

@@ -105,6 +105,12 @@ def is_retryable(exc: BaseException) -> bool:
     return False
 
 
+NATS_FAILURES: tuple[type[BaseException], ...] = (
+    nats.errors.Error, nats.js.errors.Error, TimeoutError, ConnectionError, BusError)
+"""What a NATS operation raises when it fails (nats-py's errors, a timeout, a dropped socket, a ``BusError`` of the
+kit); anything else it raises is a bug of the caller's."""
+
+
 def as_bus_error(exc: BaseException, what: str) -> BusError:
     """``exc`` (raised by nats-py while doing ``what``) as a ``BusError`` saying whether a retry can help."""
     if isinstance(exc, BusError):
@@ -121,8 +127,19 @@ def bus_errors(what: str) -> Iterator[None]:
         yield
     except BusError:
         raise
-    except (nats.errors.Error, nats.js.errors.Error, TimeoutError, ConnectionError) as exc:
+    except NATS_FAILURES as exc:
         raise as_bus_error(exc, what) from exc
+
+
+@contextlib.contextmanager
+def best_effort(what: str) -> Iterator[None]:
+    """A NATS operation whose loss the caller can afford (a lost ack is a redelivery, which is idempotent; a lost
+    unsubscribe goes with the connection): its failure is logged at debug and dropped. A bug (any other exception)
+    is raised. ``with best_effort("nak a handed-back item"): await msg.nak()``."""
+    try:
+        yield
+    except NATS_FAILURES as exc:
+        log.debug("nats.best_effort_failed", what=what, error=f"{type(exc).__name__}: {exc}")
 
 
 async def retrying(op: Callable[[], Awaitable[_T]], what: str, retry_for_s: float = RETRY_FOR_S) -> _T:
@@ -153,7 +170,7 @@ async def settled(op: Callable[[], Awaitable[_T]], what: str, retry_for_s: float
     while True:
         try:
             return await op()
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError, ConnectionError) as exc:
+        except NATS_FAILURES as exc:
             if not is_retryable(exc):
                 raise
             pause = backoff.delay()
@@ -413,7 +430,7 @@ async def keep_in_progress(msgs: Msg | Sequence[Msg], interval_s: float) -> Asyn
         while True:
             await asyncio.sleep(interval_s)
             for msg in batch:
-                with contextlib.suppress(Exception):  # a lost ping only risks a redelivery, never a loss
+                with best_effort("tell JetStream a message is in progress"):  # a lost ping risks a redelivery
                     await msg.in_progress()
 
     task = asyncio.create_task(_tick())
@@ -436,19 +453,22 @@ def delivery_attempt(msg: Msg) -> int:
 async def close(nc: NATS | None) -> None:
     if nc is None or nc.is_closed:
         return
-    with contextlib.suppress(Exception):
+    with best_effort("drain the connection"):
         await asyncio.wait_for(nc.drain(), timeout=5)
-    with contextlib.suppress(Exception):
+    with best_effort("close the connection"):
         await nc.close()
 
 
 __all__ = [
     "NATS",
+    "NATS_FAILURES",
     "JetStreamContext",
     "Msg",
     "NatsSecurity",
     "ack_sync",
     "as_bus_error",
+    "best_effort",
+    "bucket",
     "bus_errors",
     "connect",
     "delivery_attempt",
@@ -459,5 +479,6 @@ __all__ = [
     "keep_in_progress",
     "recorder_consumer_spec",
     "retrying",
+    "settled",
     "work_consumer_spec",
 ]

@@ -24,6 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from rollout_ledger.shared.kit.bus import best_effort
 from rollout_ledger.shared.subjects import NO_RESPONDERS_STATUS, STATUS_HEADER
 
 T = TypeVar("T")
@@ -84,7 +85,7 @@ class ReplyInbox(Generic[T]):
                 await self._sweeper
             self._sweeper = None
         if self._sub is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("unsubscribe the reply inbox"):
                 await self._sub.unsubscribe()
             self._sub = None
         waiting, self._waiting = self._waiting, {}

@@ -24,8 +24,8 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import BaseModel
 
 from rollout_ledger.shared.errors import BusError, SchemaError
+from rollout_ledger.shared.kit.bus import best_effort, bus_errors
 from rollout_ledger.shared.kit.bus import bucket as bus_bucket
-from rollout_ledger.shared.kit.bus import bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import sleep_or_stop
 from rollout_ledger.shared.policy import PolicyAnnouncement, read_value
@@ -106,7 +106,7 @@ class PolicyBus:
                         if announcement is not None:
                             await apply(announcement)
                 finally:
-                    with contextlib.suppress(Exception):
+                    with best_effort("stop a policy watcher"):
                         await watcher.stop()
             except asyncio.CancelledError:
                 raise
@@ -127,7 +127,7 @@ class PolicyBus:
 
     async def delete(self, bucket: str, key: str) -> None:
         """Remove this process's report (it stops: nobody should wait for it); best effort."""
-        with contextlib.suppress(Exception):
+        with best_effort("delete a report"):
             kv = await self.bucket(bucket)
             await kv.delete(key)
 
@@ -223,7 +223,7 @@ class ReportMirror(Generic[_M]):
                             continue
                         self._apply(entry)
                 finally:
-                    with contextlib.suppress(Exception):
+                    with best_effort("stop a policy watcher"):
                         await watcher.stop()
             except asyncio.CancelledError:
                 raise

@@ -66,3 +66,15 @@ async def test_settled_gives_up_with_a_retryable_bus_error_when_its_time_is_spen
     with pytest.raises(BusError, match="create the stream RL_WORK failed: TimeoutError") as err:
         await bus.settled(op, "create the stream RL_WORK", retry_for_s=0.05)
     assert err.value.retryable and 1 <= op.calls < 100
+
+
+@pytest.mark.parametrize("exc", [nats.errors.ConnectionClosedError(), nats.errors.MsgAlreadyAckdError(),
+                                 TimeoutError(), BusError("ack failed", retryable=True), ConnectionResetError()])
+def test_best_effort_drops_a_nats_failure(exc: Exception) -> None:
+    with bus.best_effort("ack a finished item"):
+        raise exc
+
+
+def test_best_effort_raises_a_bug() -> None:
+    with pytest.raises(TypeError, match="a bug"), bus.best_effort("ack a finished item"):
+        raise TypeError("a bug")
