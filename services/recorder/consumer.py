@@ -329,8 +329,8 @@ class AdvisoryConsumer:
             info = await self.js.consumer_info(WORK_STREAM, consumer)
         except NotFoundError:
             return f"there is no work consumer {consumer!r}"
-        except Exception as exc:
-            raise BusError(f"cannot read the work consumer's state: {exc}") from exc
+        except bus.NATS_FAILURES as exc:
+            raise bus.as_bus_error(exc, "read the work consumer's state") from exc
         delivered = int(info.delivered.stream_seq or 0) if info.delivered else 0
         floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
         if seq > delivered:
@@ -384,8 +384,8 @@ class AdvisoryConsumer:
             except NotFoundError:
                 await self._refuse(msg, f"untrusted advisory: no work item #{seq} on {stream}")
                 return
-            except Exception as exc:
-                raise BusError(f"cannot read work item {stream}#{seq}: {exc}") from exc
+            except bus.NATS_FAILURES as exc:
+                raise bus.as_bus_error(exc, f"read work item {stream}#{seq}") from exc
             payload, subject = bytes(raw.data or b""), str(raw.subject or "")
             if subject != work_subject:
                 await self._refuse(msg, f"untrusted advisory: message #{seq} of {stream} is on {subject}, "
@@ -415,8 +415,8 @@ class AdvisoryConsumer:
         except APIError as exc:
             if exc.err_code != _NO_MESSAGE_FOUND:  # JetStream answers "no message found" for a deleted one
                 raise BusError(f"cannot delete work item {stream}#{seq}: {exc}") from exc
-        except Exception as exc:
-            raise BusError(f"cannot delete work item {stream}#{seq}: {exc}") from exc
+        except bus.NATS_FAILURES as exc:
+            raise bus.as_bus_error(exc, f"delete work item {stream}#{seq}") from exc
         await msg.ack()
 
 

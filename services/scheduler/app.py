@@ -77,8 +77,8 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
             policy_kv = await bus.bucket(js, POLICY_BUCKET)
             policy_workers_kv = await bus.bucket(js, POLICY_WORKERS_BUCKET)
             env_workers_kv = await bus.bucket(js, ENV_WORKERS_BUCKET)
-        except Exception as exc:  # nats-py API errors and timeouts share no base class
-            raise BusError(f"cannot declare the streams and buckets: {exc}") from exc
+        except bus.NATS_FAILURES as exc:
+            raise bus.as_bus_error(exc, "declare the streams and buckets") from exc
     except Exception as exc:
         state.startup_error = exc
         log.error("scheduler.start_refused", error=str(exc), error_type=type(exc).__name__)

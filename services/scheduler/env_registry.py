@@ -16,8 +16,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from rollout_ledger.services.scheduler.schemas import EnvPublic
-from rollout_ledger.shared.errors import BusError
-from rollout_ledger.shared.kit.bus import bus_errors
+from rollout_ledger.shared.kit.bus import NATS_FAILURES, as_bus_error, bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.subjects import ENVS_BUCKET, env_name_of_key
 
@@ -46,8 +45,8 @@ async def read_value(kv: KeyValue, key: str) -> bytes | None:
         entry = await kv.get(key)
     except KeyNotFoundError:  # also a deleted key
         return None
-    except Exception as exc:  # see bucket_keys
-        raise BusError(f"cannot read env {env_name_of_key(key)!r} from KV: {exc}") from exc
+    except NATS_FAILURES as exc:
+        raise as_bus_error(exc, f"read env {env_name_of_key(key)!r} from KV") from exc
     return entry.value
 
 
@@ -82,5 +81,5 @@ async def mark_cancelled(kv: KeyValue, batch_id: str, when: datetime) -> None:
     """Tell env workers the batch is cancelled (key = batch id, value = ISO time)."""
     try:
         await kv.put(batch_id, when.isoformat().encode())
-    except Exception as exc:  # see bucket_keys
-        raise BusError(f"cannot mark batch {batch_id} cancelled in KV: {exc}") from exc
+    except NATS_FAILURES as exc:
+        raise as_bus_error(exc, f"mark batch {batch_id} cancelled in KV") from exc

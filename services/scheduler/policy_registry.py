@@ -29,7 +29,7 @@ from rollout_ledger.services.scheduler.env_registry import bucket_keys
 from rollout_ledger.services.scheduler.schemas import PolicyVersionCreate
 from rollout_ledger.shared.db import policy_versions, policy_worker_states, row_dict
 from rollout_ledger.shared.errors import BusError, SchemaError
-from rollout_ledger.shared.kit.bus import best_effort, bus_errors
+from rollout_ledger.shared.kit.bus import NATS_FAILURES, as_bus_error, best_effort, bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import parse_announcement
 from rollout_ledger.shared.kit.runtime import sleep_or_stop
@@ -130,8 +130,8 @@ async def worker_reports(kv: KeyValue, js: JetStreamContext) -> list[WorkerPolic
             entry = await kv.get(key)
         except KeyNotFoundError:
             continue
-        except Exception as exc:  # see announce
-            raise BusError(f"cannot read the policy report of {key}: {exc}") from exc
+        except NATS_FAILURES as exc:
+            raise as_bus_error(exc, f"read the policy report of {key}") from exc
         report = parse_report(entry.value)
         if report is not None:
             reports.append(report)

@@ -17,7 +17,7 @@ from nats.js.kv import KeyValue
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
 from rollout_ledger.services.scheduler.routing import live_workers
 from rollout_ledger.shared.errors import BusError
-from rollout_ledger.shared.kit.bus import bus_errors
+from rollout_ledger.shared.kit.bus import NATS_FAILURES, as_bus_error, bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import ticks
 from rollout_ledger.shared.subjects import (
@@ -88,8 +88,8 @@ async def read_live_routes(js: JetStreamContext, workers_kv: KeyValue) -> dict[s
         workers = await live_workers(js, workers_kv)
     except BusError:
         raise
-    except Exception as exc:  # see read_queue
-        raise BusError(f"cannot read the live env workers: {exc}") from exc
+    except NATS_FAILURES as exc:
+        raise as_bus_error(exc, "read the live env workers") from exc
     for worker in workers:
         for route in set(worker.routes):
             counts[route] = counts.get(route, 0) + 1

@@ -106,9 +106,9 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 NATS_FAILURES: tuple[type[BaseException], ...] = (
-    nats.errors.Error, nats.js.errors.Error, TimeoutError, ConnectionError, BusError)
-"""What a NATS operation raises when it fails (nats-py's errors, a timeout, a dropped socket, a ``BusError`` of the
-kit); anything else it raises is a bug of the caller's."""
+    nats.errors.Error, nats.js.errors.Error, TimeoutError, ConnectionError)
+"""What nats-py raises when an operation fails (its errors, a timeout, a dropped socket); anything else raised
+around it is a bug of the caller's. ``except NATS_FAILURES as exc: raise as_bus_error(exc, what) from exc``."""
 
 
 def as_bus_error(exc: BaseException, what: str) -> BusError:
@@ -131,6 +131,10 @@ def bus_errors(what: str) -> Iterator[None]:
         raise as_bus_error(exc, what) from exc
 
 
+_AFFORDABLE: tuple[type[BaseException], ...] = (*NATS_FAILURES, BusError)
+"""What ``best_effort`` drops: a NATS failure, raw or already a ``BusError`` of the kit."""
+
+
 @contextlib.contextmanager
 def best_effort(what: str) -> Iterator[None]:
     """A NATS operation whose loss the caller can afford (a lost ack is a redelivery, which is idempotent; a lost
@@ -138,7 +142,7 @@ def best_effort(what: str) -> Iterator[None]:
     is raised. ``with best_effort("nak a handed-back item"): await msg.nak()``."""
     try:
         yield
-    except NATS_FAILURES as exc:
+    except _AFFORDABLE as exc:
         log.debug("nats.best_effort_failed", what=what, error=f"{type(exc).__name__}: {exc}")
 
 
