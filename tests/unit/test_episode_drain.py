@@ -134,8 +134,8 @@ async def test_the_gate_closes_for_a_drain_reports_drained_and_opens_once_every_
         await _settle()
         assert gate.state is E.DRAINING and gate.drained_for is None
         gate.finished()
-        await asyncio.sleep(0.05)
-        assert gate.state is E.DRAINED and gate.drained_for == 1 and gate.current_report().drained_for == 1
+        await until(lambda: gate.drained_for == 1, 5, "the gate to report the drain")
+        assert gate.state is E.DRAINED and gate.current_report().drained_for == 1
         _serving(gate, "inf-1", 1)  # wakes the gate's supervisor, which clears the wake before it waits again
         await until(lambda: not gate._wake.is_set(), 2, "the gate to re-check after inf-1's report")
         assert not gate.is_open, "inf-2 does not serve 1 yet"
@@ -179,8 +179,7 @@ async def test_no_live_inference_worker_and_a_refusal_do_not_hold_episodes() -> 
         await refusing.on_announcement(_announce(1))
         assert not refusing.is_open
         _serving(refusing, "inf-1", 0, version=1, state=S.FAILED)  # it refused the checkpoint and keeps 0
-        await asyncio.sleep(0.1)
-        assert refusing.is_open
+        await until(lambda: refusing.is_open, 5, "the gate to open on the refusal")
     finally:
         await refusing.stop()
 
@@ -190,14 +189,12 @@ async def test_a_newer_drain_extends_the_pause_and_the_timeout_bounds_it() -> No
     _serving(gate, "inf-1", 0)
     try:
         await gate.on_announcement(_announce(1))
-        await asyncio.sleep(0.05)
-        assert gate.drained_for == 1
+        await until(lambda: gate.drained_for == 1, 5, "the drain for 1")
         _serving(gate, "inf-1", 1)
         await gate.on_announcement(_announce(2))  # before the gate saw 1 served: now held for 2
-        await asyncio.sleep(0.1)
-        assert not gate.is_open and gate.paused_for == 2 and gate.drained_for == 2
-        await asyncio.sleep(0.8)
-        assert gate.is_open, "inf-1 never serves 2: the timeout opened the gate"
+        await until(lambda: gate.drained_for == 2, 5, "the drain for 2")
+        assert not gate.is_open and gate.paused_for == 2
+        await until(lambda: gate.is_open, 5, "inf-1 never serves 2: the timeout to open the gate")
         assert gate.metrics is not None
         assert gate.metrics.registry.get_sample_value("rollout_policy_pause_timeouts_total") == 1
         assert gate.pauses == 1
