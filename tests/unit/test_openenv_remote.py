@@ -175,8 +175,7 @@ async def test_a_multi_step_episode_maps_observations_actions_and_done(fake: Fak
     assert (last.observation, last.reward, last.terminated, last.truncated) == ([], 1.0, True, False)
     assert last.info == {"final_observation": "n=3"}
     await env.close()
-    await asyncio.sleep(0.05)
-    assert fake.received[-1] == {"type": "close"} and fake.open_now == 0
+    await until(lambda: fake.received[-1] == {"type": "close"} and fake.open_now == 0, 5, "the session closed")
     assert fake.connections == 1  # one session for the whole episode
 
 

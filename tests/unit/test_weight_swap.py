@@ -19,6 +19,7 @@ from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
 from rollout_ledger.services.inference_worker.weights import Cut, SwapRefused, Weights
 from rollout_ledger.shared.events import FinishReason, SamplingParams
 from rollout_ledger.shared.policy import SwapMode
+from tests.helpers import until
 
 PROMPT = np.array([1, 9690, 198, 2683, 359, 253, 5356, 2], dtype=np.int32)
 
@@ -94,10 +95,9 @@ async def test_drain_finishes_in_flight_turns_on_the_old_version_and_holds_new_o
     engine = await _engine(model_dir, delay_s=0.3)
     weights = Weights(engine, version=0)
     in_flight = [asyncio.create_task(_turn(engine, weights, f"old-{i}")) for i in range(3)]
-    await asyncio.sleep(0.05)
+    await until(lambda: len(weights._running) == 3, 5, "the three turns admitted on version 0")
     swap = asyncio.create_task(weights.swap(1, str(checkpoint(model_dir, tmp_path / "v1")), SwapMode.DRAIN))
-    await asyncio.sleep(0.05)
-    assert weights.swapping
+    await until(lambda: weights.swapping, 5, "the swap to close the gate")
     late = asyncio.create_task(_turn(engine, weights, "late"))
     await swap
     assert [await t for t in in_flight] == [(0, FinishReason.STOP, 1)] * 3, "finished on the old weights"
