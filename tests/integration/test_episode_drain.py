@@ -119,23 +119,27 @@ async def test_drain_holds_new_episodes_back_until_the_version_serves(stack: Sta
         await until(lambda: sql.scalar("select count(*) from turns") >= 8, 60, "turns on version 0")
         await _announce(url, 1, checkpoint(model_dir, tmp_path / "v1"), "drain")
 
-        seen: list[tuple[float, EnvPolicyReport, WorkerPolicyReport]] = []
+        # each observation keeps the time before its two reads and the time after them: "paused" was true by the
+        # time after (the report is put once the gate closed), "not serving" was still true at the time before
+        # (the env worker opens its gate only on a report saying 1 serves, put after the read that said 0)
+        seen: list[tuple[float, float, EnvPolicyReport, WorkerPolicyReport]] = []
 
         async def observe() -> bool:
+            before = time.time()
             e, w = await _env_report(js, "env-a"), await _worker_report(js, "inf-a")
             assert e is not None and w is not None
-            seen.append((time.time(), e, w))
+            seen.append((before, time.time(), e, w))
             return e.paused_for is None and e.version == 1 and w.serving == 1  # resumed, and 1 serves
 
         await until(observe, 60, "the env worker to resume once version 1 serves")
-        paused = [(t, e, w) for t, e, w in seen if e.paused_for == 1]
+        paused = [(after, e, w) for _, after, e, w in seen if e.paused_for == 1]
         assert paused, "the env worker held new episodes back for version 1"
         drained = [(t, e, w) for t, e, w in paused if e.state is EnvPolicyState.DRAINED]
         assert drained and all(e.drained_for == 1 and e.running == 0 for _, e, _ in drained)
         assert any(w.serving == 0 for _, _, w in drained), "it reported drained before the inference worker swapped"
         assert all(e.state is not EnvPolicyState.RUNNING for _, e, _ in paused)
         t_paused = paused[0][0]
-        t_not_serving = max(t for t, _, w in seen if w.serving == 0)
+        t_not_serving = max(before for before, _, _, w in seen if w.serving == 0)
         assert t_not_serving - t_paused > 2, "the pause covered the load (3 s)"
         started = sql.scalar("select count(*) from episodes where started_at > to_timestamp(:a) "
                              "and started_at < to_timestamp(:b)", a=t_paused, b=t_not_serving)
