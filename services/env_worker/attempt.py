@@ -29,7 +29,7 @@ import numpy as np
 import orjson
 import structlog
 
-from rollout_ledger.services.env_worker.inference_client import InferenceClient
+from rollout_ledger.services.env_worker.inference_request import TurnSource
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.services.env_worker.resume import ResumeReader
 from rollout_ledger.services.env_worker.retries import RetryBudgets
@@ -72,7 +72,8 @@ class AttemptDeps:
     publisher: Producer
     """Publishes the episode's events and resolves their stream acks (``shared/kit/publisher.py``; its ack timeout
     is the worker's ``publish_timeout_s``)."""
-    client: InferenceClient
+    client: TurnSource
+    """Generates the turns within the retry budget (the inference client's ``TurnRequests``: inference_request.py)."""
     envs: EnvRegistry
     template: TurnTemplate
     is_cancelled: Callable[[str], bool]

@@ -54,7 +54,7 @@ class EpisodeRunner:
     """Runs the episodes of the work items this worker pulled, each under its lease."""
 
     def __init__(self, settings: EnvWorkerSettings, leases: EpisodeLeases, gate: EpisodeGate,
-                 metrics: EnvWorkerMetrics, deps: AttemptDeps, *, runs: Callable[[str], bool],
+                 metrics: EnvWorkerMetrics, deps: AttemptDeps, *, envs: frozenset[str],
                  route_of: Callable[[str], str], stopping: asyncio.Event, agents: AgentRuntime | None = None,
                  tracing: Tracing | None = None) -> None:
         self.settings = settings
@@ -65,8 +65,8 @@ class EpisodeRunner:
         self.agents = agents
         """Agent functions run as envs (their episodes talk to the policy through the session endpoint)."""
         self.tracing = tracing if tracing is not None else Tracing.off()
-        self._runs = runs
-        """Whether this worker has an env (a built-in, library, remote or user env, or an agent function)."""
+        self.envs = envs
+        """The envs this worker has (built-in, library, remote and user envs, and agent functions)."""
         self._route_of = route_of
         """The route of one of this worker's envs: where the next attempt's work item goes."""
         self._stopping = stopping
@@ -93,7 +93,7 @@ class EpisodeRunner:
                 f"undecodable work item: {type(exc).__name__}: {exc}"
             await reject_work_item(self.deps.publisher, msg, reason)
             return
-        if not self._runs(item.env):
+        if item.env not in self.envs:
             # Not this worker's env: an item of the previous release's single subject, or a family member this
             # worker lacks. Another worker's: hand it back without spending a delivery (it waits, never fails).
             log.info("work_item.not_my_env", env=item.env, episode_id=item.episode_id, subject=msg.subject,

@@ -3,8 +3,8 @@ one job.
 
 - ``inference_workers.py``: the table of live workers from their heartbeats (JSON on ``INFER_HEARTBEAT``, about
   once a second); a worker silent for ``heartbeat_timeout_s`` is reaped, and the requests waiting on it fail over
-  at once instead of waiting for ``request_timeout_s``.
-- ``inference_choice.py``: which worker gets a request (sticky, else least loaded).
+  at once instead of waiting for ``request_timeout_s``; and which worker gets a request (``choose``: sticky, else
+  least loaded).
 - ``inference_request.py``: one request and its retry budget. Requests and replies are msgpack events
   (``InferenceRequested`` as a core NATS request to the worker's own subject, or to ``INFER_ANY``, a queue group,
   when no worker is known; ``TurnGenerated`` back, or an error reply with headers).
@@ -27,10 +27,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from rollout_ledger.services.env_worker.inference_choice import choose
 from rollout_ledger.services.env_worker.inference_recovery import TurnRecovery
 from rollout_ledger.services.env_worker.inference_request import TurnRequests
-from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable, parse_heartbeat
+from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable, choose, parse_heartbeat
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated
 from rollout_ledger.shared.kit.bus import best_effort
 from rollout_ledger.shared.kit.tracing import Tracing

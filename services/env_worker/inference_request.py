@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from rollout_ledger.services.env_worker.inference_choice import choose
-from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable
+from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable, choose
 from rollout_ledger.shared.errors import InferenceError, NewerContractError, SchemaError
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated, decode_as, encode
 from rollout_ledger.shared.kit.backoff import backoff_delay
@@ -27,6 +27,14 @@ from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.subjects import ERROR_HEADER, INFER_ANY, INFER_CANCEL, RETRYABLE_HEADER
 
 log = get_logger(__name__)
+
+
+class TurnSource(Protocol):
+    """Where an attempt gets its turns: ``TurnRequests`` (a fake in unit tests)."""
+
+    async def generate(self, build: Callable[[int], InferenceRequested], prefer: str | None = None) -> TurnGenerated:
+        """The turn for the request ``build(try_number)``, preferring the worker ``prefer``."""
+        ...
 
 
 class TryFailed(InferenceError):

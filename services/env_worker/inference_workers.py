@@ -1,5 +1,7 @@
-"""The inference workers this env worker knows and whether each is live: their heartbeats read into a table, a
-worker live until its last heartbeat is older than ``heartbeat_timeout_s``, the silent ones reaped.
+"""The inference workers this env worker knows, whether each is live and which one gets a turn request: their
+heartbeats read into a table, a worker live until its last heartbeat is older than ``heartbeat_timeout_s``, the
+silent ones reaped; a request goes to the episode's sticky worker while it can take it, else the least loaded by load
+per capacity (``choose``; draining and excluded workers get none).
 
 Heartbeats are JSON (``shared/events.dumps``) on ``INFER_HEARTBEAT``, about once a second per worker. Times come
 from an injectable ``clock`` (monotonic seconds; ``time.monotonic``, the event loop's own clock, by default) and
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,24 @@ class WorkerState:
     @property
     def has_room(self) -> bool:
         return self.capacity <= 0 or self.load < self.capacity
+
+
+def choose(workers: Mapping[str, WorkerState], prefer: str | None = None,
+           exclude: frozenset[str] | set[str] = frozenset()) -> WorkerState | None:
+    """The sticky worker when it is live, not draining and has room; else the least loaded; else None."""
+    if prefer is not None and prefer not in exclude:
+        state = workers.get(prefer)
+        if state is not None and not state.draining and state.has_room:
+            return state
+    best: WorkerState | None = None
+    best_score = 0.0
+    for state in workers.values():
+        if state.draining or state.worker_id in exclude:
+            continue
+        score = state.load / state.capacity if state.capacity > 0 else float(state.load)
+        if best is None or score < best_score:
+            best, best_score = state, score
+    return best
 
 
 class WorkerTable:

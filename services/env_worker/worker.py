@@ -94,22 +94,18 @@ class EnvWorker:
         metrics.work_items_held.set_function(lambda: len(self.pulls.tasks))
         self.routes = routes_of(envs.specs(), agents.names() if agents is not None else ())
         """Route -> the envs of this worker routed by it: the routes whose consumers it pulls."""
-        self._env_names = {e for names in self.routes.values() for e in names}
+        self._env_names = frozenset(e for names in self.routes.values() for e in names)
         self.leases = EpisodeLeases(self.js, settings.worker_id, uuid.uuid4().hex[:12])
 
     def _deps(self) -> AttemptDeps:
         resume = ResumeReader(self.nc, self.settings.resume_timeout_s) if self.settings.resume else None
-        return AttemptDeps(publisher=self.publisher, client=self.client, envs=self.envs, template=self.template,
-                          is_cancelled=self.cancels.is_cancelled, metrics=self.metrics,
+        return AttemptDeps(publisher=self.publisher, client=self.client.requests, envs=self.envs,
+                          template=self.template, is_cancelled=self.cancels.is_cancelled, metrics=self.metrics,
                           worker_id=self.settings.worker_id, max_model_len=self.settings.max_model_len,
                           publish_timeout_s=self.settings.publish_timeout_s,
                           budgets=RetryBudgets(self.settings.retry_budgets()),
                           episode_timeout_s=self.settings.episode_timeout_s, env_llm=self.env_llm,
                           tracing=self.tracing, resume=resume)
-
-    def _runs(self, env: str) -> bool:
-        """Whether this worker has the env (a built-in, library, remote or user env, or an agent function)."""
-        return env in self._env_names
 
     def _route_of(self, env: str) -> str:
         """The route of one of this worker's envs (an agent function's is its name)."""
@@ -136,7 +132,7 @@ class EnvWorker:
         self.health.checks["nats"] = lambda: self.nc.is_connected
         self.health.ready = True
         log.info("env_worker.ready", envs=self.envs.names(), routes=list(self.routes), concurrency=s.concurrency)
-        runner = EpisodeRunner(s, self.leases, self.gate, self.metrics, deps, runs=self._runs,
+        runner = EpisodeRunner(s, self.leases, self.gate, self.metrics, deps, envs=self._env_names,
                                route_of=self._route_of, stopping=self._stopping, agents=self.agents,
                                tracing=self.tracing)
         pullers = [*self.routes, *([LEGACY] if s.legacy_work_queue else [])]

@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from rollout_ledger.services.env_worker.inference_choice import choose
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.inference_request import TryFailed
-from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable
+from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable, choose
 from tests.helpers import FakeClock
 
 TIMEOUT_S = 2.0
