@@ -1,4 +1,4 @@
-"""Pure batch planning: the canonical request and its hash, the ids of a batch's episodes, and their work items."""
+"""Pure batch planning: the canonical request and its hash, the ids of a batch's episodes and its run spec."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 import orjson
 
 from rollout_ledger.services.scheduler.schemas import BatchCreate
-from rollout_ledger.shared.events import ContextPolicy, EpisodeRequested, SamplingParams
-from rollout_ledger.shared.ids import episode_id, group_id, requested_id
+from rollout_ledger.shared.events import ContextPolicy, SamplingParams
+from rollout_ledger.shared.ids import episode_id, group_id
 
 __all__ = ["BatchRunSpec", "PlannedEpisode", "canonical_request", "episode_id", "group_id", "json_size",
-           "new_batch_id", "plan_episodes", "request_hash", "work_item"]
+           "new_batch_id", "plan_episodes", "request_hash"]
 
 
 def new_batch_id() -> str:
@@ -105,23 +105,3 @@ class BatchRunSpec:
         context = ContextPolicy.model_validate(body.context.model_dump()) if body.context is not None else None
         return cls(body.env, body.group_size, body.max_turns, SamplingParams.model_validate(body.sampling.model_dump()),
                    context)
-
-
-def work_item(ep: PlannedEpisode, spec: BatchRunSpec, produced_by: str) -> EpisodeRequested:
-    """The ``EpisodeRequested`` work item of an episode (attempt 1, seq 0; the delivery count sets the attempt)."""
-    return EpisodeRequested(
-        event_id=requested_id(ep.id),
-        episode_id=ep.id,
-        batch_id=ep.batch_id,
-        attempt=1,
-        seq=0,
-        produced_by=produced_by,
-        env=spec.env,
-        task=ep.task,
-        group_id=ep.group_id,
-        group_index=ep.group_index,
-        group_size=spec.group_size,
-        sampling=spec.sampling,
-        max_turns=spec.max_turns,
-        context=spec.context,
-    )

@@ -54,10 +54,6 @@ async def resolve(kv: KeyValue, env: str) -> tuple[bool, str]:
     return False, env
 
 
-async def is_registered(kv: KeyValue, name: str) -> bool:
-    return (await resolve(kv, name))[0]
-
-
 @dataclass(frozen=True)
 class LiveWorker:
     """An env worker's live entry in ``rl_env_workers``."""
@@ -113,6 +109,15 @@ class RouteBook:
         _, route = await resolve(self._envs, env)
         self._cache[env] = (now, route)
         return route
+
+    async def resolve(self, env: str) -> tuple[bool, str]:
+        """Whether ``env`` is registered and its route, read now (``resolve``; a registration is never cached, so an
+        env registered a moment ago is known); the route is kept for ``route``."""
+        if self._envs is None:
+            self._envs = await self._kv(ENVS_BUCKET)
+        registered, route = await resolve(self._envs, env)
+        self._cache[env] = (time.monotonic(), route)
+        return registered, route
 
     async def routes(self, envs: Iterable[str]) -> dict[str, str]:
         return {env: await self.route(env) for env in set(envs)}

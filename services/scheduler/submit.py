@@ -106,14 +106,17 @@ def check_consistent(body: BatchCreate, max_staleness: int | None) -> None:
         )
 
 
-async def check_env(body: BatchCreate, settings: SchedulerSettings, res: Resources) -> None:
+async def check_env(body: BatchCreate, settings: SchedulerSettings, res: Resources) -> str | None:
     """``INVALID`` for an env no env worker registered (with ``require_registered_env``); a family member only a live
-    worker lists is known."""
-    if (settings.require_registered_env and not await routing.is_registered(res.envs_kv, body.env)
-            and not routing.served(await res.publisher.routes.live(), body.env)):
+    worker lists is known. Returns the env's route as the check read it (None when nothing was checked)."""
+    if not settings.require_registered_env:
+        return None
+    registered, route = await res.publisher.routes.resolve(body.env)
+    if not registered and not routing.served(await res.publisher.routes.live(), body.env):
         known = await env_registry.env_names(res.js, res.envs_kv)
         listed = ", ".join(known) if known else "none registered yet (start an env worker)"
         raise SubmitRefused(Refusal.INVALID, f"unknown env {body.env!r}; known envs: {listed}")
+    return route
 
 
 def batch_row(body: BatchCreate, batch_id: str, rhash: str, max_staleness: int | None,
@@ -151,7 +154,7 @@ async def submit_batch(body: BatchCreate, settings: SchedulerSettings, metrics: 
             existing = await _read_batch(res, batch_id)
             if existing is not None:
                 return await replay(res, existing, rhash)
-        await check_env(body, settings, res)
+        route = await check_env(body, settings, res)
 
         planned = plan_episodes(batch_id, body.env, body.tasks, body.group_size)
         bounded = max_staleness is not None
@@ -171,7 +174,7 @@ async def submit_batch(body: BatchCreate, settings: SchedulerSettings, metrics: 
 
         metrics.batches_submitted.inc()
         metrics.episodes_submitted.inc(len(planned))
-        published, num_waiting = await _start(res, body, planned, bounded)
+        published, num_waiting = await _start(res, body, planned, bounded, route)
         log.info("batch.submitted", env=body.env, num_tasks=len(body.tasks), num_episodes=len(planned),
                  published=published, max_staleness=max_staleness, insert_ms=round((t1 - t0) * 1000, 1),
                  publish_ms=round((time.perf_counter() - t1) * 1000, 1))
@@ -197,10 +200,12 @@ async def _read_batch(res: Resources, batch_id: str) -> dict[str, Any] | None:
             return await batch_store.get_batch(conn, batch_id)
 
 
-async def _start(res: Resources, body: BatchCreate, planned: list[PlannedEpisode], bounded: bool) -> tuple[int, int]:
-    """Publish a stored batch's work items, or hand a bounded batch to admission; (published, waiting)."""
+async def _start(res: Resources, body: BatchCreate, planned: list[PlannedEpisode], bounded: bool,
+                 route: str | None) -> tuple[int, int]:
+    """Publish a stored batch's work items (to ``route`` when the env check read it), or hand a bounded batch to
+    admission; (published, waiting)."""
     if not bounded:
-        return await res.publisher.publish(planned, BatchRunSpec.of(body), source="submit"), 0
+        return await res.publisher.publish(planned, BatchRunSpec.of(body), source="submit", route=route), 0
     # admission publishes what the bound lets start now, and the rest as the versions advance
     batch_id = planned[0].batch_id
     await res.admission.admit([batch_id])  # (or a pass running meanwhile did: read what they left)

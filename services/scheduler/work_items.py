@@ -19,12 +19,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
-from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode, work_item
+from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode
 from rollout_ledger.services.scheduler.routing import RouteBook
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.shared.db import episodes, store_errors
 from rollout_ledger.shared.errors import BusError, StoreError
 from rollout_ledger.shared.events import EpisodeRequested, encode
+from rollout_ledger.shared.ids import requested_id
 from rollout_ledger.shared.kit.bus import JetStreamContext
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.publisher import Producer
@@ -42,6 +43,26 @@ class PublishResult:
     acked: list[str]
     failed: int
     error: str | None = None
+
+
+def work_item(ep: PlannedEpisode, spec: BatchRunSpec, produced_by: str) -> EpisodeRequested:
+    """The ``EpisodeRequested`` work item of an episode (attempt 1, seq 0; the delivery count sets the attempt)."""
+    return EpisodeRequested(
+        event_id=requested_id(ep.id),
+        episode_id=ep.id,
+        batch_id=ep.batch_id,
+        attempt=1,
+        seq=0,
+        produced_by=produced_by,
+        env=spec.env,
+        task=ep.task,
+        group_id=ep.group_id,
+        group_index=ep.group_index,
+        group_size=spec.group_size,
+        sampling=spec.sampling,
+        max_turns=spec.max_turns,
+        context=spec.context,
+    )
 
 
 async def publish_work_items(
@@ -141,11 +162,13 @@ class WorkItemPublisher:
         self.routes = RouteBook(js)
         """The route of each env's work items (from the env workers' adverts), and which env workers are live."""
 
-    async def publish(self, planned: Sequence[PlannedEpisode], spec: BatchRunSpec, source: str) -> int:
-        """Publish the episodes' work items to their env's route chunk by chunk, stamping ``published_at`` on those
-        the stream acked; returns how many were acked (the rest are left to the outbox)."""
+    async def publish(self, planned: Sequence[PlannedEpisode], spec: BatchRunSpec, source: str,
+                      route: str | None = None) -> int:
+        """Publish the episodes' work items to their env's route (``route`` when the caller just read it) chunk by
+        chunk, stamping ``published_at`` on those the stream acked; returns how many were acked (the rest are left to
+        the outbox)."""
         try:
-            routes = {spec.env: await self.routes.route(spec.env)}
+            routes = {spec.env: route if route is not None else await self.routes.route(spec.env)}
         except BusError as exc:  # nothing published: the outbox publishes them once the adverts can be read
             self.metrics.publish_failures.inc(len(planned))
             log.warning("publish.no_route", env=spec.env, episodes=len(planned), error=str(exc))

@@ -14,11 +14,11 @@ from rollout_ledger.services.scheduler.planning import (
     new_batch_id,
     plan_episodes,
     request_hash,
-    work_item,
 )
 from rollout_ledger.services.scheduler.schemas import BatchCreate
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.services.scheduler.trajectory_view import ViewSpan, trajectory_spans
+from rollout_ledger.services.scheduler.work_items import work_item
 from rollout_ledger.shared.events import SamplingParams, decode, encode
 
 

@@ -5,8 +5,8 @@ with tracing on, each item's headers carrying its own root span."""
 
 from __future__ import annotations
 
-from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode, work_item
-from rollout_ledger.services.scheduler.work_items import publish_work_items
+from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode
+from rollout_ledger.services.scheduler.work_items import publish_work_items, work_item
 from rollout_ledger.shared.events import EpisodeRequested, SamplingParams, decode_as
 from rollout_ledger.shared.subjects import work_subject
 from tests.fakes import FakeProducer
