@@ -166,8 +166,7 @@ class EventConsumer:
             return await self._one_by_one(batch)
 
     async def _once(self, batch: list[Delivery]) -> BatchOutcome:
-        async with self.store.transaction() as tx:
-            return await record_batch(tx, batch, self.settings.assembly_max_deliveries)
+        return await record_batch(self.store, batch, self.settings.assembly_max_deliveries)
 
     async def _retrying(self, op: Callable[[], Awaitable[_T]]) -> _T:
         """Run ``op`` until it succeeds or fails non-retryably; retryable store errors back off (cap ~5 s).

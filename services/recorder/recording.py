@@ -48,7 +48,7 @@ from rollout_ledger.shared.lifecycle import TERMINAL, EpisodeStatus
 from rollout_ledger.shared.subjects import event_subject
 
 from .assembly import Incomplete, StepRecord, TurnRecord, assemble, pair_records
-from .store import AttemptFailure, DeadLetter, EpisodeRow, Finish, TrajectoryWrite, Tx
+from .store import AttemptFailure, DeadLetter, EpisodeRow, Finish, Store, TrajectoryWrite, Tx
 
 log = get_logger(__name__)
 
@@ -126,11 +126,17 @@ RecordedEvent: TypeAlias = (EpisodeStarted | TurnGenerated | StepCompleted | Epi
 TerminalEvent: TypeAlias = EpisodeFinished | EpisodeFailed | EpisodeCancelled
 
 
-async def record_batch(tx: Tx, batch: list[Delivery], assembly_max_deliveries: int) -> BatchOutcome:
-    """Write one batch inside ``tx``; return what to do with each message after the commit.
+async def record_batch(store: Store, batch: list[Delivery], assembly_max_deliveries: int) -> BatchOutcome:
+    """Write one batch in one transaction of ``store``; return what to do with each message once it committed.
 
     ``assembly_max_deliveries``: deliveries of a terminal event whose records are still incomplete after which
     the episode is given up (failed, class infra)."""
+    async with store.transaction() as tx:
+        return await _record(tx, batch, assembly_max_deliveries)
+
+
+async def _record(tx: Tx, batch: list[Delivery], assembly_max_deliveries: int) -> BatchOutcome:
+    """``record_batch`` inside ``tx``."""
     out = BatchOutcome(actions=[Action.ACK] * len(batch))
     letters: list[DeadLetter] = []
     started: list[tuple[int, EpisodeStarted]] = []
