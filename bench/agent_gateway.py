@@ -126,25 +126,6 @@ def _latencies(folder: str) -> list[float]:
     return out
 
 
-def _cpu(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds per named process, with its descendants."""
-    import contextlib
-
-    import psutil
-
-    out = {}
-    for name, pid in pids.items():
-        total = 0.0
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            total = sum(proc.cpu_times()[:2])
-            for child in proc.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    total += sum(child.cpu_times()[:2])
-        out[name] = total
-    return out
-
-
 def _summary(system: str, sessions: int, turns: int, wall: float, lat: list[float], cpu0: dict[str, float],
              cpu1: dict[str, float], extra: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
@@ -186,11 +167,10 @@ def _events_bytes(monitor_port: int) -> int:
 
 
 def run_ours(shapes: list[tuple[int, int]], processes: int, latency_dir: str) -> list[dict[str, Any]]:
-    import httpx
     import psutil
     from sqlalchemy import create_engine, text
 
-    from bench.pipeline import all_pids
+    from bench.stack_measure import all_pids, cpu_seconds, submit, wait_trajectories
     from rollout_ledger.cli.stack.devstack import DevStack
     from rollout_ledger.migrations.runner import sync_url
 
@@ -210,24 +190,17 @@ def run_ours(shapes: list[tuple[int, int]], processes: int, latency_dir: str) ->
         assert len(agent_pids) == processes, agent_pids
 
         def cpu() -> dict[str, float]:
-            out = _cpu(pids)
-            out["agents"] = sum(_cpu({str(p): p for p in agent_pids}).values())  # 0 processes: in the env worker
+            out = cpu_seconds(pids)
+            # 0 processes: the agents run in the env worker
+            out["agents"] = sum(cpu_seconds({str(p): p for p in agent_pids}).values())
             out["env-worker-0"] -= out["agents"]  # its children are the agent processes
             return out
 
         def batch(sessions: int, turns: int) -> tuple[str, float]:
             started = time.perf_counter()
-            resp = httpx.post(f"{stack.scheduler_url}/v1/batches", timeout=120,
-                              headers={"Authorization": f"Bearer {stack.api_token}"},
-                              json={"env": "bench", "tasks": [{"turns": turns}] * sessions, "group_size": 1,
-                                    "max_turns": turns, "sampling": {"max_tokens": 16, "temperature": 1.0}})
-            resp.raise_for_status()
-            batch_id = resp.json()["batch_id"]
-            with engine.connect() as conn:
-                q = text("select count(*) from trajectories where batch_id = :b")
-                while conn.execute(q, {"b": batch_id}).scalar_one() < sessions:
-                    time.sleep(0.05)
-                    conn.commit()
+            batch_id = submit(stack, {"env": "bench", "tasks": [{"turns": turns}] * sessions, "group_size": 1,
+                                      "max_turns": turns, "sampling": {"max_tokens": 16, "temperature": 1.0}})
+            wait_trajectories(engine, batch_id, sessions, 0.05)
             wall = time.perf_counter() - started
             with engine.connect() as conn:
                 failed = conn.execute(text("select count(*) from episodes where batch_id = :b and status <> "
@@ -319,6 +292,7 @@ async def _drive_gateway(shapes: list[tuple[int, int]], processes: int, latency_
                          pids: dict[str, int]) -> list[dict[str, Any]]:
     import uuid
 
+    from bench.stack_measure import cpu_seconds
     from rollout_ledger.services.env_worker.agents.pool import AgentPool
     from rollout_ledger.services.env_worker.agents.run import (
         AgentRun,
@@ -335,9 +309,9 @@ async def _drive_gateway(shapes: list[tuple[int, int]], processes: int, latency_
     http = shared_http_client()
 
     def cpu() -> dict[str, float]:
-        out = _cpu(pids)
+        out = cpu_seconds(pids)
         agent_pids = pool.pids() if pool is not None else [os.getpid()]  # 0: the agents run in this process
-        out["agents"] = sum(_cpu({str(p): p for p in agent_pids}).values())
+        out["agents"] = sum(cpu_seconds({str(p): p for p in agent_pids}).values())
         return out
 
     async def run_one(run: AgentRun) -> RunOutcome:

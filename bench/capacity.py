@@ -38,7 +38,6 @@ two rates of docs/deploy.md. ``--update-docs`` rewrites the generated tables of 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -57,6 +56,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from bench.pipeline import positive_ints
+from bench.stack_measure import tree_cpu_s
 
 FIGURES_FILE = Path(__file__).with_name("capacity_figures.json")
 """The measured run the table in docs/deploy.md is generated from (``--write`` replaces it)."""
@@ -113,24 +113,10 @@ def _kind(name: str) -> str:
     return head if head and tail.isdigit() else name
 
 
-def _proc_cpu_s(pid: int) -> float:
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        total = sum(proc.cpu_times()[:2])
-        for child in proc.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                total += sum(child.cpu_times()[:2])
-        return float(total)
-    except psutil.Error:
-        return 0.0
-
-
 def _cpu_by_kind(pids: dict[str, int]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, pid in pids.items():
-        out[_kind(name)] = out.get(_kind(name), 0.0) + _proc_cpu_s(pid)
+        out[_kind(name)] = out.get(_kind(name), 0.0) + tree_cpu_s(pid)
     return out
 
 
@@ -259,7 +245,7 @@ def _post_batch(url: str, token: str, episodes: int, shape: Shape, topic: str) -
 def measure(replicas: int, shape: Shape, window: tuple[float, float] = (0.2, 0.8), fake_delay_s: float = 0.002,
             timeout_s: float = 900.0) -> dict[str, Any]:
     """One fresh stack with ``replicas`` of every service; one batch per scheduler; the figures of the module doc."""
-    from bench.pipeline import all_pids
+    from bench.stack_measure import all_pids
     from rollout_ledger.cli.stack.devstack import DevStack
     from rollout_ledger.migrations.runner import sync_url
 

@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import numpy as np
 import psutil
 from sqlalchemy import create_engine, text
 
+from bench.stack_measure import all_pids, cpu_seconds, submit, wait_trajectories
 from rollout_ledger.cli.stack.devstack import DevStack
 from rollout_ledger.migrations.runner import sync_url
 
@@ -81,52 +81,18 @@ class RssSampler:
         return out
 
 
-def all_pids(stack: DevStack) -> dict[str, int]:
-    """Service processes plus the NATS server and the Postgres postmaster (its backends are children)."""
-    assert stack.stack is not None
-    pids = {p.name: p.proc.pid for p in stack.stack.procs if p.proc is not None}
-    if stack.infra.nats is not None and stack.infra.nats.proc is not None:
-        pids["nats-server"] = stack.infra.nats.proc.pid
-    if stack.infra.postgres is not None:
-        pidfile = stack.infra.postgres.datadir / "postmaster.pid"
-        pids["postgres"] = int(pidfile.read_text().split()[0])
-    return pids
-
-
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    out = {}
-    for name, pid in pids.items():
-        try:
-            proc = psutil.Process(pid)
-            total = sum(proc.cpu_times()[:2])
-            for child in proc.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    total += sum(child.cpu_times()[:2])
-            out[name] = total
-        except psutil.Error:
-            out[name] = 0.0
-    return out
-
-
 def run_pipeline(stack: DevStack, episodes: int, turns: int, max_tokens: int = 16) -> dict[str, Any]:
     engine = create_engine(sync_url(stack.infra.database_url))
     pids = all_pids(stack)
     cpu0 = cpu_seconds(pids)
     tasks = [{"turns": turns}] * episodes
     t0 = time.perf_counter()
-    resp = httpx.post(f"{stack.scheduler_url}/v1/batches", timeout=120,
-                      headers={"Authorization": f"Bearer {stack.api_token}"},
-                      json={"env": "fixed-turns", "tasks": tasks, "group_size": 1, "max_turns": turns,
-                            "sampling": {"max_tokens": max_tokens, "temperature": 1.0}})
-    resp.raise_for_status()
-    batch_id = resp.json()["batch_id"]
+    batch_id = submit(stack, {"env": "fixed-turns", "tasks": tasks, "group_size": 1, "max_turns": turns,
+                              "sampling": {"max_tokens": max_tokens, "temperature": 1.0}})
+    wait_trajectories(engine, batch_id, episodes, 0.2)
+    wall = time.perf_counter() - t0
+    cpu1 = cpu_seconds(pids)
     with engine.connect() as conn:
-        q = text("select count(*) from trajectories where batch_id = :b")
-        while conn.execute(q, {"b": batch_id}).scalar_one() < episodes:
-            time.sleep(0.2)
-            conn.commit()
-        wall = time.perf_counter() - t0
-        cpu1 = cpu_seconds(pids)
         # cycle time of each turn after the first: step(t) - step(t-1) of the same attempt (all system overhead)
         lat = conn.execute(text("""
             select extract(epoch from s.produced_at - lag(s.produced_at) over w) * 1000 as ms
