@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
+import reasoning_gym
 
 from rollout_ledger.cli.stack.supervisor import Stack
 from tests.helpers import AUTH, Sql
 from tests.integration.test_pipeline import check_token_exact, submit_and_wait
-
-reasoning_gym = pytest.importorskip("reasoning_gym")
 
 REPO = str(Path(__file__).resolve().parents[2])
 PYTHONPATH = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)

@@ -9,14 +9,13 @@ import sys
 from typing import Any
 
 import pytest
+import reasoning_gym
 from pydantic import ValidationError
 
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.envs import reasoning_gym as rg
 from rollout_ledger.services.envs.base import TaskError
 from rollout_ledger.services.envs.reasoning_gym import ReasoningGymEnv, RgLibrary, RgSettingsError
-
-reasoning_gym = pytest.importorskip("reasoning_gym")
 
 
 def library_entry(dataset: str, index: int, seed: int = 0, **config: Any) -> tuple[Any, dict[str, Any]]:
