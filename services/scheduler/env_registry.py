@@ -3,7 +3,7 @@ descriptions, and the cancel marks of batches (``rl_cancelled``) the workers wat
 
 Reads never create a consumer: the keys come from the bucket's stream info (its subjects), the values from direct
 gets (``KeyValue.keys()`` opens a watcher, an ephemeral consumer per call that outlives the request). How an env's
-work items are routed is routing.py's.
+work items are routed is route_book.py's.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
-from rollout_ledger.services.scheduler.routing import live_workers
+from rollout_ledger.services.scheduler.route_book import live_workers
 from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.kit.bus import NATS_FAILURES, as_bus_error, bus_errors
 from rollout_ledger.shared.kit.logging import get_logger

@@ -13,7 +13,7 @@ from typing import Any
 
 from structlog.contextvars import bound_contextvars
 
-from rollout_ledger.services.scheduler import batch_store, env_registry, routing
+from rollout_ledger.services.scheduler import batch_store, env_registry, route_book
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
 from rollout_ledger.services.scheduler.planning import (
     BatchRunSpec,
@@ -112,7 +112,7 @@ async def check_env(body: BatchCreate, settings: SchedulerSettings, res: Resourc
     if not settings.require_registered_env:
         return None
     registered, route = await res.publisher.routes.resolve(body.env)
-    if not registered and not routing.served(await res.publisher.routes.live(), body.env):
+    if not registered and not route_book.served(await res.publisher.routes.live(), body.env):
         known = await env_registry.env_names(res.js, res.envs_kv)
         listed = ", ".join(known) if known else "none registered yet (start an env worker)"
         raise SubmitRefused(Refusal.INVALID, f"unknown env {body.env!r}; known envs: {listed}")

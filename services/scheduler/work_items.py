@@ -3,9 +3,9 @@
 The batch and its episodes are committed before anything is published, so a crash between commit and publish
 loses nothing: episodes still ``requested`` with ``published_at`` NULL are republished by the outbox loop.
 Work items carry a deterministic ``Nats-Msg-Id``, so a republish within the stream's duplicate window is
-dropped by JetStream. Each goes to the subject of its env's route (``routing.RouteBook``), so only env workers that have
-the env get it; with no such worker it waits on the queue. With tracing on, each publish is the root span of its
-episode's trace, carried in the work item's headers (shared/kit/tracing.py).
+dropped by JetStream. Each goes to the subject of its env's route (``route_book.RouteBook``), so only env workers
+that have the env get it; with no such worker it waits on the queue. With tracing on, each publish is the root
+span of its episode's trace, carried in the work item's headers (shared/kit/tracing.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.metrics import SchedulerMetrics
 from rollout_ledger.services.scheduler.planning import BatchRunSpec, PlannedEpisode
-from rollout_ledger.services.scheduler.routing import RouteBook
+from rollout_ledger.services.scheduler.route_book import RouteBook
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 from rollout_ledger.shared.db import episodes, store_errors
 from rollout_ledger.shared.errors import BusError, StoreError

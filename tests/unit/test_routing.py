@@ -1,6 +1,6 @@
 """Env-aware routing, the pure parts: route tokens and consumer names (shared/subjects.py), adverts and routes of a
 worker's envs and the fair split of its free slots (services/env_worker/routing.py), and the scheduler's reading of
-adverts (services/scheduler/routing.py) on an in-memory bucket."""
+adverts (services/scheduler/route_book.py) on an in-memory bucket."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from nats.js.errors import KeyNotFoundError
 from rollout_ledger.services.env_worker.routing import FairSlots, adverts, routes_of
 from rollout_ledger.services.envs.base import EnvSpec
 from rollout_ledger.services.envs.builtins import builtin_registry
-from rollout_ledger.services.scheduler import routing as sched_routing
+from rollout_ledger.services.scheduler import route_book
 from rollout_ledger.shared import subjects as sj
 from rollout_ledger.shared.nats_auth import may
 from rollout_ledger.shared.route_advert import RouteAdvert
@@ -95,15 +95,15 @@ async def test_the_scheduler_resolves_routes_from_adverts() -> None:
     ads = adverts([*builtin_registry().specs(), *FAMILY], "w1")
     kv: Any = MemoryKV({**ads, "remote:echo": {"name": "remote:echo"}, "by-hand": b"not json",
                         "my-agent": {"name": "my-agent", "kind": "agent"}})
-    assert await sched_routing.resolve(kv, "arithmetic") == (True, "arithmetic")
-    assert await sched_routing.resolve(kv, "fam:beta") == (True, "fam")
-    assert await sched_routing.resolve(kv, "fam:gamma.v2") == (True, "fam")
-    assert await sched_routing.resolve(kv, "fam:delta") == (False, "fam"), "not listed (by the last advert): routed"
-    assert await sched_routing.resolve(kv, "other:delta") == (False, "other:delta")
-    assert await sched_routing.resolve(kv, "remote:echo") == (True, "remote:echo"), "an advert without a route"
-    assert await sched_routing.resolve(kv, "by-hand") == (True, "by-hand")
-    assert await sched_routing.resolve(kv, "my-agent") == (True, "my-agent")
-    assert await sched_routing.resolve(kv, "nope") == (False, "nope")
+    assert await route_book.resolve(kv, "arithmetic") == (True, "arithmetic")
+    assert await route_book.resolve(kv, "fam:beta") == (True, "fam")
+    assert await route_book.resolve(kv, "fam:gamma.v2") == (True, "fam")
+    assert await route_book.resolve(kv, "fam:delta") == (False, "fam"), "not listed (by the last advert): routed"
+    assert await route_book.resolve(kv, "other:delta") == (False, "other:delta")
+    assert await route_book.resolve(kv, "remote:echo") == (True, "remote:echo"), "an advert without a route"
+    assert await route_book.resolve(kv, "by-hand") == (True, "by-hand")
+    assert await route_book.resolve(kv, "my-agent") == (True, "my-agent")
+    assert await route_book.resolve(kv, "nope") == (False, "nope")
     assert RouteAdvert.family_entry("fam:*") is None and RouteAdvert.family_entry("x") is None
 
 
@@ -119,10 +119,10 @@ def test_a_route_advert_reads_back_what_a_worker_wrote() -> None:
 
 
 def test_served_means_a_live_worker_runs_the_env() -> None:
-    live = [sched_routing.LiveWorker("w1", ["arithmetic", "fam"], ["arithmetic", "fam:alpha"])]
-    assert sched_routing.served(live, "fam:alpha") and sched_routing.served(live, "arithmetic")
-    assert not sched_routing.served(live, "fam:beta") and not sched_routing.served(live, "guess-number")
-    assert not sched_routing.served([], "arithmetic")
+    live = [route_book.LiveWorker("w1", ["arithmetic", "fam"], ["arithmetic", "fam:alpha"])]
+    assert route_book.served(live, "fam:alpha") and route_book.served(live, "arithmetic")
+    assert not route_book.served(live, "fam:beta") and not route_book.served(live, "guess-number")
+    assert not route_book.served([], "arithmetic")
 
 
 def test_fair_slots_never_ask_for_more_than_is_free() -> None:

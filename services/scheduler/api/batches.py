@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Response, status
 from structlog.contextvars import bound_contextvars
 
-from rollout_ledger.services.scheduler import admission, batch_store, env_registry, routing
+from rollout_ledger.services.scheduler import admission, batch_store, env_registry, route_book
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, StateDep, WriteDep
 from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES, WRITE_RESPONSES
 from rollout_ledger.services.scheduler.schemas import (
@@ -78,7 +78,7 @@ async def get_batch(batch_id: BatchIdPath, res: ResourcesDep) -> BatchPublic:
                 held = await admission.standing(conn, batch, await res.admission.versions())
     waiting = counts[EpisodeStatus.REQUESTED]
     served = (not waiting or batch["cancelled_at"] is not None
-              or routing.served(await res.publisher.routes.live(), batch["env"]))
+              or route_book.served(await res.publisher.routes.live(), batch["env"]))
     waiting_for_env = {} if served else {batch["env"]: waiting}
     return BatchPublic(
         batch_id=batch_id,
