@@ -31,7 +31,7 @@ import structlog
 
 from rollout_ledger.services.env_worker.inference_request import TurnSource
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
-from rollout_ledger.services.env_worker.resume import ResumeReader
+from rollout_ledger.services.env_worker.resume_reader import ResumeReader
 from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.tokenization import Delta, Transcript, TurnTemplate
 from rollout_ledger.services.envs.base import EnvLLM

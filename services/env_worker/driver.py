@@ -35,7 +35,7 @@ import numpy as np
 from rollout_ledger.services.env_worker.attempt import Attempt, AttemptDeps, AttemptOutcome, jsonable
 from rollout_ledger.services.env_worker.context import uses_window, windowed
 from rollout_ledger.services.env_worker.env_llm_journal import RESET_KEY, STEP_KEY, JournaledLLM, ScriptExhausted
-from rollout_ledger.services.env_worker.resume import Recorded, ResumeUnavailable
+from rollout_ledger.services.env_worker.resume_reader import Recorded, ResumeUnavailable
 from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
 from rollout_ledger.services.env_worker.tokenization import Delta, Transcript
 from rollout_ledger.services.envs.base import REPLAY, SNAPSHOT, Env, EnvContext, StepResult

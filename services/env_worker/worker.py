@@ -23,7 +23,7 @@ from rollout_ledger.services.env_worker.leases import EpisodeLeases
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.services.env_worker.policy_gate import EpisodeGate
 from rollout_ledger.services.env_worker.pull_loop import PullLoop
-from rollout_ledger.services.env_worker.resume import ResumeReader
+from rollout_ledger.services.env_worker.resume_reader import ResumeReader
 from rollout_ledger.services.env_worker.retries import RetryBudgets
 from rollout_ledger.services.env_worker.routing import WorkerReport, register_adverts, report_forever, routes_of
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings

@@ -26,7 +26,7 @@ from rollout_ledger.services.env_worker.driver import EpisodeDriver
 from rollout_ledger.services.env_worker.env_llm import ServedEnvLLM
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
 from rollout_ledger.services.env_worker.metrics import build_metrics
-from rollout_ledger.services.env_worker.resume import Recorded
+from rollout_ledger.services.env_worker.resume_reader import Recorded
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.services.env_worker.tokenization import TurnTemplate
 from rollout_ledger.services.envs import tau2_bench
@@ -161,7 +161,8 @@ async def run_tau2_episode(nc: bus.NATS, tok: ChatTokenizer, domain: str, task_i
 
 
 class RecordedReader:
-    """Stands in for the recorders' answer (``env_worker/resume.py``): the turns attempt 1 recorded, up to ``k``."""
+    """Stands in for the recorders' answer (``env_worker/resume_reader.py``): the turns attempt 1 recorded, up to
+    ``k``."""
 
     def __init__(self, events: list[Event], k: int) -> None:
         started = next(e for e in events if isinstance(e, EpisodeStarted))

@@ -10,7 +10,7 @@ import pytest
 
 from rollout_ledger.services.env_worker.agents.episode import recorded_contexts
 from rollout_ledger.services.env_worker.env_llm_journal import JournaledLLM, ScriptExhausted
-from rollout_ledger.services.env_worker.resume import Recorded
+from rollout_ledger.services.env_worker.resume_reader import Recorded
 from rollout_ledger.services.inference_worker.engine import Generation
 from rollout_ledger.services.inference_worker.server import _Kept
 from rollout_ledger.services.recorder.assembly import TurnRecord

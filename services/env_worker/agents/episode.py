@@ -30,7 +30,7 @@ import numpy as np
 
 from rollout_ledger.services.env_worker.agents.run import AgentResult, AgentRun, AgentSpec, RunEnd, RunOutcome
 from rollout_ledger.services.env_worker.attempt import Attempt, AttemptDeps, AttemptOutcome, recorded_turn_event
-from rollout_ledger.services.env_worker.resume import Recorded, ResumeUnavailable
+from rollout_ledger.services.env_worker.resume_reader import Recorded, ResumeUnavailable
 from rollout_ledger.services.env_worker.sessions.app import SessionRegistry
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
 from rollout_ledger.services.env_worker.sessions.turns import Message
