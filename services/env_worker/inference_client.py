@@ -29,7 +29,7 @@ from nats.aio.subscription import Subscription
 
 from rollout_ledger.services.env_worker.inference_recovery import TurnRecovery
 from rollout_ledger.services.env_worker.inference_request import TurnRequests
-from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable, choose, parse_heartbeat
+from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable, parse_heartbeat
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated
 from rollout_ledger.shared.kit.bus import best_effort
 from rollout_ledger.shared.kit.tracing import Tracing
@@ -89,10 +89,6 @@ class InferenceClient:
                 await self._first_heartbeat.wait()
         return bool(self.workers)
 
-    async def recover(self, since: float, grace_s: float) -> int:
-        """Answer the tries still waiting from their turns on RL_EVENTS (``TurnRecovery.recover``)."""
-        return await self.recovery.recover(since, grace_s)
-
     async def stop(self) -> None:
         await self.recovery.stop()
         if self._reaper is not None:
@@ -125,10 +121,6 @@ class InferenceClient:
         self.requests.fail_over(dead)
         return [s.worker_id for s in dead]
 
-    def expire(self) -> int:
-        """Fail the tries whose reply is overdue (``request_timeout_s``); returns how many."""
-        return self.requests.expire()
-
     def excuse_stall(self, stalled_s: float) -> None:
         """This client's own loop was blocked for ``stalled_s``: every worker gets a full heartbeat timeout."""
         self.table.excuse_stall(stalled_s)
@@ -143,10 +135,6 @@ class InferenceClient:
             if late > self.config.heartbeat_timeout_s / 2:
                 self.excuse_stall(late)
             self.reap()
-
-    def choose(self, prefer: str | None = None, exclude: frozenset[str] | set[str] = frozenset()) -> WorkerState | None:
-        """The sticky worker when it is live, not draining and has room; else the least loaded; else None."""
-        return choose(self.workers, prefer, exclude)
 
     async def request_once(self, subject: str, payload: bytes, worker: WorkerState | None,
                            request_id: str = "") -> Msg:

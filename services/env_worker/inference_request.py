@@ -72,11 +72,6 @@ class TurnRequests:
     async def stop(self) -> None:
         await self._inbox.stop(lambda: TryFailed("inference client stopped"))
 
-    def expire(self) -> int:
-        """Fail the tries whose reply is overdue (``request_timeout_s``); returns how many (the inbox's sweeper
-        does this on its own)."""
-        return self._inbox.sweep()
-
     def fail_over(self, dead: Iterable[WorkerState]) -> None:
         """Fail the tries waiting on reaped workers, and every try sent to ``INFER_ANY``: the dead worker may have
         taken them (a live one that did will still answer its copy; the duplicate turn has its own request id and

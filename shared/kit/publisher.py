@@ -209,7 +209,3 @@ class StreamPublisher:
         stream has stored it; ``BusError`` if not."""
         event_type = str(event.type)
         await self.publish(event_type, str(event.event_id), encode(event), subject_of(event_type, route))
-
-    def sweep(self) -> int:
-        """Fail the publishes whose ack is overdue; returns how many."""
-        return self._inbox.sweep()

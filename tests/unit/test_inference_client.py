@@ -18,6 +18,7 @@ from nats.aio.subscription import Subscription
 from structlog.testing import capture_logs
 
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
+from rollout_ledger.services.env_worker.inference_workers import choose
 from rollout_ledger.shared.errors import InferenceError
 from rollout_ledger.shared.events import (
     FinishReason,
@@ -146,10 +147,10 @@ async def test_sticky_then_least_loaded_and_draining(nc: bus.NATS, client: Infer
     assert len(w2.requests) == 3 and not w1.requests
     # least loaded without a preference
     client.workers["w2"].local_inflight = 5
-    assert client.choose() is client.workers["w1"]
+    assert choose(client.workers) is client.workers["w1"]
     # a full sticky worker is left for the least loaded one
     client.workers["w2"].local_inflight = 8
-    assert client.choose(prefer="w2") is client.workers["w1"]
+    assert choose(client.workers, prefer="w2") is client.workers["w1"]
     client.workers["w2"].local_inflight = 0
     # a draining worker gets no new requests, even when it is the sticky one
     w2.draining = True
@@ -269,7 +270,7 @@ async def test_a_reply_lost_in_a_nats_restart_is_read_back_from_the_stream(nc: b
     since = time.time()
     pending = asyncio.create_task(client.generate(request_builder(turn=7)))
     await until(lambda: len(worker.requests) == 1, 5.0)
-    assert await client.recover(since, grace_s=0.0) == 1
+    assert await client.recovery.recover(since, grace_s=0.0) == 1
     turn = await asyncio.wait_for(pending, 5)
     assert turn.request_id == "b.0.0:a1:t7:r1" and turn.worker_id == "w-lost"
     assert client.retries == [] and len(worker.requests) == 1  # nothing generated twice
@@ -284,7 +285,7 @@ async def test_a_turn_stored_after_the_restart_is_read_back_too(nc: bus.NATS, cl
     since = time.time()
     pending = asyncio.create_task(client.generate(request_builder(turn=8)))
     await until(lambda: len(worker.requests) == 1, 5.0)
-    recovery = asyncio.create_task(client.recover(since, grace_s=0.0))
+    recovery = asyncio.create_task(client.recovery.recover(since, grace_s=0.0))
     await asyncio.sleep(0.5)  # the recovery reads the stream: nothing for this try yet
     worker.mode = "lost_reply"
     await worker.serve(worker.requests[0])
