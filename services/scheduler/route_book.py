@@ -99,16 +99,11 @@ class RouteBook:
             return await self.js.key_value(bucket)
 
     async def route(self, env: str) -> str:
-        """The route of ``env``'s work items."""
-        now = time.monotonic()
+        """The route of ``env``'s work items (kept ``ROUTE_CACHE_S``)."""
         hit = self._cache.get(env)
-        if hit is not None and now - hit[0] < ROUTE_CACHE_S:
+        if hit is not None and time.monotonic() - hit[0] < ROUTE_CACHE_S:
             return hit[1]
-        if self._envs is None:
-            self._envs = await self._kv(ENVS_BUCKET)
-        _, route = await resolve(self._envs, env)
-        self._cache[env] = (now, route)
-        return route
+        return (await self.resolve(env))[1]
 
     async def resolve(self, env: str) -> tuple[bool, str]:
         """Whether ``env`` is registered and its route, read now (``resolve``; a registration is never cached, so an
