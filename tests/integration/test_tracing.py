@@ -25,10 +25,12 @@ def _of_episode(sink: OtlpSink, episode_id: str) -> list[SpanRecord]:
     return [s for s in sink.spans() if s.attributes.get("rollout.episode_id") == episode_id]
 
 
-def _trace_of(sink: OtlpSink, episode_id: str, services: set[str], recorded_events: int) -> list[SpanRecord]:
-    """The episode's trace once the spans of ``services`` and recorder writes of ``recorded_events`` events have
-    arrived, and every span's parent with them (the services export every 100 ms, each on its own clock: a turn's
-    span can arrive before the attempt's, which ends later)."""
+def _trace_of(sink: OtlpSink, episode_id: str, services: set[str], recorded_events: int,
+              generations: int = 0) -> list[SpanRecord]:
+    """The episode's trace once the spans of ``services``, recorder writes of ``recorded_events`` events and
+    ``generations`` generation spans have arrived, and every span's parent with them (the services export every
+    100 ms, each on its own clock: a turn's span can arrive before the attempt's, which ends later, and the inference
+    worker's generations of one episode can come in several exports)."""
 
     def complete() -> list[SpanRecord] | None:
         ids = {s.trace_id for s in _of_episode(sink, episode_id)}
@@ -38,7 +40,9 @@ def _trace_of(sink: OtlpSink, episode_id: str, services: set[str], recorded_even
         written = sum(int(s.attributes.get("rollout.ack", 0)) for s in spans if s.name == "recorder.write")
         present = {s.span_id for s in spans}
         closed = all(not s.parent_span_id or s.parent_span_id in present for s in spans)
-        return spans if closed and {s.service for s in spans} >= services and written >= recorded_events else None
+        generated = sum(s.name == "generation" for s in spans)
+        arrived = {s.service for s in spans} >= services and written >= recorded_events and generated >= generations
+        return spans if closed and arrived else None
 
     return wait_for(complete, 30, f"the trace of {episode_id} from {sorted(services)}")
 
@@ -97,7 +101,7 @@ def test_one_episode_one_trace_across_the_four_services(stack: Stack, database_u
         end_lines = {str(line.get("episode_id")): line for line in _log_lines(worker, "episode.end")}
 
         for episode_id, turns in episodes.items():
-            spans = _trace_of(sink, episode_id, SERVICES, recorded_events=2 * turns + 2)
+            spans = _trace_of(sink, episode_id, SERVICES, recorded_events=2 * turns + 2, generations=turns)
             assert {s.service for s in spans} == SERVICES
             trace_id = spans[0].trace_id
             assert all(s.trace_id == trace_id for s in _of_episode(sink, episode_id)), "one episode, one trace"
@@ -142,7 +146,7 @@ def test_one_episode_one_trace_across_the_four_services(stack: Stack, database_u
         assert isinstance(counts, dict) and counts.get("completed") == 2
         for group in range(2):
             episode_id = f"{info['batch_id']}.0.{group}"
-            spans = _trace_of(sink, episode_id, SERVICES - {"scheduler"}, recorded_events=6)
+            spans = _trace_of(sink, episode_id, SERVICES - {"scheduler"}, recorded_events=6, generations=2)
             assert not any(s.service == "scheduler" for s in spans)
             roots = [s for s in spans if not s.parent_span_id]
             assert [(r.name, r.service) for r in roots] == [("episode", "env-worker")]
