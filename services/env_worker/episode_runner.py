@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
-from rollout_ledger.services.env_worker.agents.runtime import AgentRuntime
+from rollout_ledger.services.env_worker.agents.agent_runtime import AgentRuntime
 from rollout_ledger.services.env_worker.attempt import AttemptDeps, AttemptOutcome
 from rollout_ledger.services.env_worker.driver import EpisodeDriver
 from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Lease, LeaseLost, LeaseTerm

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollout_ledger.services.env_worker.agents.runtime import AgentRuntime
+from rollout_ledger.services.env_worker.agents.agent_runtime import AgentRuntime
 from rollout_ledger.services.env_worker.env_llm import ServedEnvLLM
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings

@@ -26,7 +26,7 @@ from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import RECHECK_S, PolicyBus, ReportMirror
 from rollout_ledger.shared.kit.runtime import ticks
-from rollout_ledger.shared.policy import (
+from rollout_ledger.shared.policy_versions import (
     EnvPolicyReport,
     EnvPolicyState,
     PolicyAnnouncement,

@@ -13,7 +13,7 @@ import uuid
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from rollout_ledger.services.env_worker.agents.runtime import AgentRuntime
+from rollout_ledger.services.env_worker.agents.agent_runtime import AgentRuntime
 from rollout_ledger.services.env_worker.attempt import AttemptDeps
 from rollout_ledger.services.env_worker.cancellation import CancelWatch
 from rollout_ledger.services.env_worker.drain import drain

@@ -16,7 +16,7 @@ from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import PolicyBus
 from rollout_ledger.shared.kit.runtime import Health, Shutdown, sleep_or_stop
 from rollout_ledger.shared.kit.service import ServiceScope, run_main
-from rollout_ledger.shared.policy import EnvPolicyReport
+from rollout_ledger.shared.policy_versions import EnvPolicyReport
 from rollout_ledger.shared.subjects import POLICY_ENV_BUCKET
 
 SERVICE = "inference-worker"

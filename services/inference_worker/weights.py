@@ -41,7 +41,7 @@ from rollout_ledger.services.inference_worker.engine import Engine
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import PolicyBus, ReportMirror
 from rollout_ledger.shared.kit.runtime import ticks
-from rollout_ledger.shared.policy import (
+from rollout_ledger.shared.policy_versions import (
     EnvPolicyReport,
     PolicyAnnouncement,
     SwapMode,

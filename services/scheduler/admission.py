@@ -53,7 +53,7 @@ from rollout_ledger.shared.kit.bus import bus_errors
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import parse_announcement
 from rollout_ledger.shared.lifecycle import EpisodeStatus, allowed_sources
-from rollout_ledger.shared.policy import WorkerPolicyReport
+from rollout_ledger.shared.policy_versions import WorkerPolicyReport
 from rollout_ledger.shared.subjects import POLICY_KEY
 
 log = get_logger(__name__)

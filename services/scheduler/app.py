@@ -19,7 +19,7 @@ from rollout_ledger.services.scheduler.api import envs as envs_api
 from rollout_ledger.services.scheduler.api import policy as policy_api
 from rollout_ledger.services.scheduler.api.deps import Scope as TokenScope
 from rollout_ledger.services.scheduler.api.deps import check_scope
-from rollout_ledger.services.scheduler.api.errors import (
+from rollout_ledger.services.scheduler.api.error_responses import (
     describe_validation_errors,
     on_unavailable,
     on_validation_error,

@@ -33,7 +33,7 @@ from rollout_ledger.shared.kit.bus import NATS_FAILURES, as_bus_error, best_effo
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import parse_announcement
 from rollout_ledger.shared.kit.runtime import sleep_or_stop
-from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState, read_value
+from rollout_ledger.shared.policy_versions import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState, read_value
 from rollout_ledger.shared.subjects import POLICY_KEY, POLICY_WORKERS_BUCKET
 
 log = get_logger(__name__)

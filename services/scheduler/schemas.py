@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from rollout_ledger.shared.events import ContextPolicy, SamplingParams
-from rollout_ledger.shared.policy import SwapMode, WorkerPolicyState
+from rollout_ledger.shared.policy_versions import SwapMode, WorkerPolicyState
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 EPISODE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}\.[0-9]{1,9}\.[0-9]{1,9}$"

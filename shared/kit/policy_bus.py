@@ -28,7 +28,7 @@ from rollout_ledger.shared.kit.bus import best_effort, bus_errors
 from rollout_ledger.shared.kit.bus import bucket as bus_bucket
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import sleep_or_stop
-from rollout_ledger.shared.policy import PolicyAnnouncement, read_value
+from rollout_ledger.shared.policy_versions import PolicyAnnouncement, read_value
 from rollout_ledger.shared.subjects import BUCKET_TTL_S, POLICY_BUCKET, POLICY_KEY
 
 log = get_logger(__name__)

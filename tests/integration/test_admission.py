@@ -17,7 +17,7 @@ from sqlalchemy import select
 
 from rollout_ledger.shared.db import episodes
 from rollout_ledger.shared.kit import bus
-from rollout_ledger.shared.policy import WorkerPolicyReport, WorkerPolicyState
+from rollout_ledger.shared.policy_versions import WorkerPolicyReport, WorkerPolicyState
 from rollout_ledger.shared.subjects import POLICY_WORKERS_BUCKET
 from tests.helpers import metric_in, until
 from tests.integration.test_scheduler_api import Api, body, make_settings, register_env, running, work_count

@@ -26,7 +26,7 @@ from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
 from rollout_ledger.services.inference_worker.weights import EpisodeDrain, PolicyFollower, Weights
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.policy_bus import PolicyBus
-from rollout_ledger.shared.policy import (
+from rollout_ledger.shared.policy_versions import (
     EnvPolicyReport,
     EnvPolicyState,
     PolicyAnnouncement,

@@ -19,7 +19,7 @@ from rollout_ledger.cli.stack.supervisor import Stack
 from rollout_ledger.services.scheduler import policy_registry
 from rollout_ledger.shared.db import episodes, policy_versions, policy_worker_states, turns
 from rollout_ledger.shared.kit import bus
-from rollout_ledger.shared.policy import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState
+from rollout_ledger.shared.policy_versions import PolicyAnnouncement, WorkerPolicyReport, WorkerPolicyState
 from rollout_ledger.shared.subjects import POLICY_BUCKET, POLICY_KEY, POLICY_WORKERS_BUCKET
 from tests.helpers import until
 from tests.integration.test_scheduler_api import (

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import func, select
 from starlette.requests import Request
 
-from rollout_ledger.services.scheduler.api.errors import on_unavailable
+from rollout_ledger.services.scheduler.api.error_responses import on_unavailable
 from rollout_ledger.services.scheduler.api.guard import check_body
 from rollout_ledger.shared.db import batches, episodes, policy_versions
 from rollout_ledger.shared.errors import StoreError

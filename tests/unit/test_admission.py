@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import pytest
 
 from rollout_ledger.services.scheduler.admission import Bound, Versions, bound_of, decide
-from rollout_ledger.shared.policy import WorkerPolicyReport, WorkerPolicyState
+from rollout_ledger.shared.policy_versions import WorkerPolicyReport, WorkerPolicyState
 
 
 def report(worker: str, serving: int | None) -> WorkerPolicyReport:

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.policy_gate import EpisodeGate
 from rollout_ledger.shared.kit.policy_bus import PolicyBus, ReportMirror
-from rollout_ledger.shared.policy import (
+from rollout_ledger.shared.policy_versions import (
     EnvPolicyReport,
     EnvPolicyState,
     PolicyAnnouncement,

@@ -132,7 +132,7 @@ AGENTS = "rollout_ledger.services.env_worker.agents"
 
 def test_the_session_speaks_no_wire_protocol() -> None:
     """``sessions/session.py`` and ``sessions/turns.py`` import no dialect; a dialect imports no other dialect but
-    the shared SSE writer (and chat's OpenAI error shape, which the Responses API shares); the endpoint imports
+    the shared SSE writer (and Chat Completions' OpenAI error shape, which the Responses API shares); the endpoint imports
     nothing of the agent runtime."""
     graph = _graph()
     for core in (f"{SESSIONS}.session", f"{SESSIONS}.turns"):
@@ -141,7 +141,7 @@ def test_the_session_speaks_no_wire_protocol() -> None:
     for module, deps in graph.items():
         if module.startswith(SESSIONS):
             assert not any(d.startswith(AGENTS) for d in deps), f"{module} imports the agent runtime"
-        if module.startswith(f"{SESSIONS}.dialects.") and not module.endswith((".sse", ".chat")):
+        if module.startswith(f"{SESSIONS}.dialects.") and not module.endswith((".sse", ".chat_completions")):
             others = sorted(d for d in deps if d.startswith(f"{SESSIONS}.dialects.")
-                            and not d.endswith((".sse", ".chat")))
+                            and not d.endswith((".sse", ".chat_completions")))
             assert others == [], f"{module} imports another dialect: {others}"

@@ -20,8 +20,12 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from rollout_ledger.services.env_worker.sessions.app import SessionRegistry, session_app
-from rollout_ledger.services.env_worker.sessions.dialects.chat import Completion, normalize_messages, parse_request
-from rollout_ledger.services.env_worker.sessions.dialects.chat import error_body as chat_error_body
+from rollout_ledger.services.env_worker.sessions.dialects.chat_completions import (
+    Completion,
+    normalize_messages,
+    parse_request,
+)
+from rollout_ledger.services.env_worker.sessions.dialects.chat_completions import error_body as chat_error_body
 from rollout_ledger.services.env_worker.sessions.dialects.sse import sse
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
 from rollout_ledger.services.env_worker.sessions.turns import (

@@ -18,7 +18,7 @@ from rollout_ledger.services.inference_worker.checkpoints import WeightsRefused,
 from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
 from rollout_ledger.services.inference_worker.weights import Cut, SwapRefused, Weights
 from rollout_ledger.shared.events import FinishReason, SamplingParams
-from rollout_ledger.shared.policy import SwapMode
+from rollout_ledger.shared.policy_versions import SwapMode
 from tests.helpers import until
 
 PROMPT = np.array([1, 9690, 198, 2683, 359, 253, 5356, 2], dtype=np.int32)

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout_ledger.services.env_worker.sessions.dialects import chat, messages, responses
+from rollout_ledger.services.env_worker.sessions.dialects import chat_completions, messages, responses
 from rollout_ledger.services.env_worker.sessions.session import AgentSession
 from rollout_ledger.services.env_worker.sessions.turns import ApiError, TurnRequest, TurnResult
 from rollout_ledger.shared.kit.logging import get_logger
@@ -35,7 +35,8 @@ PREFIX = "/sessions/{episode_id}/v1"
 
 
 class Dialect(Protocol):
-    """What the app needs of a dialect module (``dialects.chat``, ``dialects.responses``, ``dialects.messages``)."""
+    """What the app needs of a dialect module (``dialects.chat_completions``, ``dialects.responses``,
+    ``dialects.messages``)."""
 
     def parse(self, body: Any, memory: dict[str, Any]) -> tuple[TurnRequest, Any]: ...
 
@@ -97,7 +98,7 @@ def _dialect_of(path: str) -> Dialect:
     """The dialect whose error shape a path's errors take."""
     if "/v1/messages" in path:
         return messages
-    return chat  # OpenAI's shape, which the Responses API shares
+    return chat_completions  # OpenAI's shape, which the Responses API shares
 
 
 def session_app(registry: SessionRegistry) -> FastAPI:
@@ -141,8 +142,8 @@ def session_app(registry: SessionRegistry) -> FastAPI:
                 "display_name": model_id}
 
     @app.post(PREFIX + "/chat/completions")
-    async def chat_completions(episode_id: str, request: Request) -> Response:
-        return await _call(episode_id, request, chat)
+    async def create_chat_completion(episode_id: str, request: Request) -> Response:
+        return await _call(episode_id, request, chat_completions)
 
     @app.post(PREFIX + "/responses")
     async def create_response(episode_id: str, request: Request) -> Response:

@@ -10,7 +10,7 @@ from structlog.contextvars import bound_contextvars
 
 from rollout_ledger.services.scheduler import admission, batch_store, env_registry, route_book
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, StateDep, WriteDep
-from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES, WRITE_RESPONSES
+from rollout_ledger.services.scheduler.api.error_responses import READ_RESPONSES, WRITE_RESPONSES
 from rollout_ledger.services.scheduler.schemas import (
     BATCH_ID_PATTERN,
     AdmissionPublic,

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from rollout_ledger.services.scheduler import env_registry
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep
-from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES
+from rollout_ledger.services.scheduler.api.error_responses import READ_RESPONSES
 from rollout_ledger.services.scheduler.schemas import EnvListPublic
 
 router = APIRouter(prefix="/v1/envs", tags=["envs"])

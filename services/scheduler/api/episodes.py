@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, Path, status
 
 from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, StateDep
-from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES
+from rollout_ledger.services.scheduler.api.error_responses import READ_RESPONSES
 from rollout_ledger.services.scheduler.schemas import (
     EPISODE_ID_PATTERN,
     EpisodePublic,

@@ -27,7 +27,7 @@ from fastapi import status
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rollout_ledger.services.scheduler.api.errors import validation_response
+from rollout_ledger.services.scheduler.api.error_responses import validation_response
 from rollout_ledger.services.scheduler.settings import SchedulerSettings
 
 INT64_MIN = -(2**63)

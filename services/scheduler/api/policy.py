@@ -6,7 +6,7 @@ from fastapi import APIRouter, HTTPException, Response, status
 
 from rollout_ledger.services.scheduler import policy_registry
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, WriteDep
-from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES, WRITE_RESPONSES
+from rollout_ledger.services.scheduler.api.error_responses import READ_RESPONSES, WRITE_RESPONSES
 from rollout_ledger.services.scheduler.batch_store import store_errors
 from rollout_ledger.services.scheduler.schemas import (
     ErrorPublic,

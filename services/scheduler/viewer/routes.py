@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Path, Query, status
 
 from rollout_ledger.services.scheduler import batch_store
 from rollout_ledger.services.scheduler.api.deps import ReadDep, ResourcesDep, StateDep
-from rollout_ledger.services.scheduler.api.errors import READ_RESPONSES
+from rollout_ledger.services.scheduler.api.error_responses import READ_RESPONSES
 from rollout_ledger.services.scheduler.schemas import BATCH_ID_PATTERN, EPISODE_ID_PATTERN, ErrorPublic
 from rollout_ledger.services.scheduler.viewer import queries
 from rollout_ledger.services.scheduler.viewer.models import (

@@ -42,8 +42,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollout_ledger.services.env_worker.sessions.dialects.chat import error_body as error_body
-from rollout_ledger.services.env_worker.sessions.dialects.chat import text_content
+from rollout_ledger.services.env_worker.sessions.dialects.chat_completions import error_body as error_body
+from rollout_ledger.services.env_worker.sessions.dialects.chat_completions import text_content
 from rollout_ledger.services.env_worker.sessions.dialects.sse import sse
 from rollout_ledger.services.env_worker.sessions.turns import ApiError, Message, TurnRequest, TurnResult
 
