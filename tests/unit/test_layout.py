@@ -132,8 +132,8 @@ AGENTS = "rollout_ledger.services.env_worker.agents"
 
 def test_the_session_speaks_no_wire_protocol() -> None:
     """``sessions/session.py`` and ``sessions/turns.py`` import no dialect; a dialect imports no other dialect but
-    the shared SSE writer (and Chat Completions' OpenAI error shape, which the Responses API shares); the endpoint imports
-    nothing of the agent runtime."""
+    the shared SSE writer (and Chat Completions' OpenAI error shape, which the Responses API shares); the endpoint
+    imports nothing of the agent runtime."""
     graph = _graph()
     for core in (f"{SESSIONS}.session", f"{SESSIONS}.turns"):
         dialects = sorted(d for d in graph[core] if d.startswith(f"{SESSIONS}.dialects"))
