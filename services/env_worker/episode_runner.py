@@ -1,6 +1,6 @@
 """One delivered work item to its end: decoded (dead-lettered when it cannot be, handed back when it is of a newer
 contract or not this worker's env), its episode claimed under its lease (``leases.py``: a redelivery of an episode
-running elsewhere is held, not run again), admitted by the policy gate, run as an attempt in its span (continued
+running elsewhere is held, not run again), run as an attempt in its span (continued
 from the work item's headers), then acked, or handed back (nak) when the attempt could not end."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from rollout_ledger.services.env_worker.attempt import AttemptDeps, AttemptOutco
 from rollout_ledger.services.env_worker.driver import EpisodeDriver
 from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Lease, LeaseLost, LeaseTerm
 from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
-from rollout_ledger.services.env_worker.policy_gate import EpisodeGate
 from rollout_ledger.services.env_worker.refusals import hand_back, reject_work_item
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.shared.errors import BusError, NewerContractError, SchemaError
@@ -53,13 +52,11 @@ class _Running:
 class EpisodeRunner:
     """Runs the episodes of the work items this worker pulled, each under its lease."""
 
-    def __init__(self, settings: EnvWorkerSettings, leases: EpisodeLeases, gate: EpisodeGate,
-                 metrics: EnvWorkerMetrics, deps: AttemptDeps, *, envs: frozenset[str],
-                 route_of: Callable[[str], str], stopping: asyncio.Event, agents: AgentRuntime | None = None,
-                 tracing: Tracing | None = None) -> None:
+    def __init__(self, settings: EnvWorkerSettings, leases: EpisodeLeases, metrics: EnvWorkerMetrics,
+                 deps: AttemptDeps, *, envs: frozenset[str], route_of: Callable[[str], str],
+                 agents: AgentRuntime | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self.leases = leases
-        self.gate = gate
         self.metrics = metrics
         self.deps = deps
         self.agents = agents
@@ -69,7 +66,6 @@ class EpisodeRunner:
         """The envs this worker has (built-in, library, remote and user envs, and agent functions)."""
         self._route_of = route_of
         """The route of one of this worker's envs: where the next attempt's work item goes."""
-        self._stopping = stopping
         self.running: dict[str, _Running] = {}
         """Episode id -> the episode this worker runs now."""
         self._ping_s = min(settings.ack_wait_s, LEASE_TTL_S) / 3
@@ -194,9 +190,6 @@ class EpisodeRunner:
         await self.leases.release(episode_id, run.revision)
 
     async def _run_leased(self, run: _Running, item: EpisodeRequested, attempt: int) -> None:
-        if not await self.gate.admit(self._stopping):  # the worker stops while the item waited: hand it back
-            await self._hand_back(run, item.episode_id)
-            return
         self.metrics.episodes_in_flight.inc()
         try:
             outcome = await self._attempt(run, item, attempt)
@@ -222,7 +215,6 @@ class EpisodeRunner:
                       error=f"{type(exc).__name__}: {exc}", exc_info=not isinstance(exc, BusError))
             await self._hand_back(run, item.episode_id, _NAK_DELAY_S)
         finally:
-            self.gate.finished()
             self.metrics.episodes_in_flight.dec()
 
     async def _attempt(self, run: _Running, item: EpisodeRequested, attempt: int) -> AttemptOutcome:

@@ -1,6 +1,7 @@
 """The env worker's pull loop: for each route, while slots are free (``routing.FairSlots``) and no policy version
 is being drained (``policy_gate.py``), fetch that many work items from the route's consumer and start a task for
-each; the tasks in flight are what ``concurrency`` bounds and what the drain waits for."""
+each, which the gate admits before it runs the item; the tasks in flight are what ``concurrency`` bounds and what
+the drain waits for."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class PullLoop:
         self.tasks: set[asyncio.Task[None]] = set()
         """The work items in flight, one task each."""
         self.slots = FairSlots(settings.concurrency, settings.fetch_batch, lambda: len(self.tasks))
+        self._ping_s = settings.ack_wait_s / 3
+        """In-progress pings for an item held at the gate: three per ack wait."""
 
     async def pull(self, route: str, handle: Handler, shutdown: Shutdown) -> None:
         """Pull the work items of one route (or the legacy subject) while slots are free, until ``shutdown``."""
@@ -70,12 +73,30 @@ class PullLoop:
                     with bus.best_effort("nak an item past the free slots"):
                         await msg.nak()
                     continue
-                task = asyncio.create_task(handle(msg))
+                task = asyncio.create_task(self._admitted(handle, msg))
                 self.tasks.add(task)
                 task.add_done_callback(self._task_done)
             self.slots.settle(route, granted, len(msgs))
             if not msgs:
                 await asyncio.sleep(0)  # let the routes woken by this settle take the slot before probing again
+
+    async def _admitted(self, handle: Handler, msg: Msg) -> None:
+        """Run one item once the gate admits it: at once, or after the policy version being drained in serves (a
+        gate that closed during the fetch), the item kept in progress meanwhile; handed back when the worker
+        stops first. The gate counts it as running until ``handle`` returns."""
+        if self.gate.is_open:
+            admitted = await self.gate.admit(self._stopping)
+        else:
+            async with bus.keep_in_progress(msg, self._ping_s):
+                admitted = await self.gate.admit(self._stopping)
+        if not admitted:
+            with bus.best_effort("hand back an item held at the gate past the stop"):
+                await msg.nak()
+            return
+        try:
+            await handle(msg)
+        finally:
+            self.gate.finished()
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)

@@ -132,9 +132,8 @@ class EnvWorker:
         self.health.checks["nats"] = lambda: self.nc.is_connected
         self.health.ready = True
         log.info("env_worker.ready", envs=self.envs.names(), routes=list(self.routes), concurrency=s.concurrency)
-        runner = EpisodeRunner(s, self.leases, self.gate, self.metrics, deps, envs=self._env_names,
-                               route_of=self._route_of, stopping=self._stopping, agents=self.agents,
-                               tracing=self.tracing)
+        runner = EpisodeRunner(s, self.leases, self.metrics, deps, envs=self._env_names, route_of=self._route_of,
+                               agents=self.agents, tracing=self.tracing)
         pullers = [*self.routes, *([LEGACY] if s.legacy_work_queue else [])]
         try:
             async with asyncio.TaskGroup() as group:
