@@ -15,7 +15,6 @@ driver binds for the episode (``episode_id``, ``batch_id``, ``attempt``), since 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
 from collections import OrderedDict
@@ -26,16 +25,12 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
-from rollout_ledger.services.env_worker.inference_request import TryFailed, turn_of
 from rollout_ledger.services.env_worker.stop_strings import cut_at_stop
 from rollout_ledger.services.envs.base import Message
-from rollout_ledger.shared.errors import InferenceError, SchemaError
-from rollout_ledger.shared.events import InferenceRequested, SamplingParams, TurnGenerated, encode
-from rollout_ledger.shared.kit.backoff import backoff_delay
-from rollout_ledger.shared.kit.bus import best_effort
+from rollout_ledger.shared.events import InferenceRequested, SamplingParams
 from rollout_ledger.shared.kit.chat import ChatTokenizer, load_chat_tokenizer
 from rollout_ledger.shared.kit.logging import get_logger
-from rollout_ledger.shared.subjects import INFER_CANCEL, POLICY_POOL, infer_pool_subject
+from rollout_ledger.shared.subjects import POLICY_POOL
 
 if TYPE_CHECKING:
     from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
@@ -111,35 +106,9 @@ class ServedEnvLLM:
             if len(self._last_worker) > STICKY_EPISODES:
                 self._last_worker.popitem(last=False)
         else:
-            turn = await self._generate_in_pool(pool, build)
+            turn = await self.client.generate(build, pool=pool)
         text = tok.decode(turn.token_ids, skip_special_tokens=True)
         return cut_at_stop(text, sampling.stop)[0].strip()
-
-    async def _generate_in_pool(self, pool: str, build: Any) -> TurnGenerated:
-        """One request to the pool's queue group, retried like a turn (``InferenceClient.generate``'s budget)."""
-        config = self.client.config
-        subject = infer_pool_subject(pool)
-        last: InferenceError | None = None
-        for attempt in range(1, config.max_tries + 1):
-            if attempt > 1:
-                await asyncio.sleep(backoff_delay(attempt - 2, config.backoff_initial_s, config.backoff_max_s,
-                                                  jitter=0.0))
-            request: InferenceRequested = build(attempt)
-            try:
-                reply = await self.client.request_once(subject, encode(request), None, request.request_id)
-                return turn_of(reply, subject)  # the client's own reply check (error headers)
-            except asyncio.CancelledError:  # the episode stopped waiting: let the pool's worker abort it
-                with best_effort("cancel an env LLM request"):
-                    await self.client.nc.publish(INFER_CANCEL, request.request_id.encode())
-                raise
-            except TryFailed as exc:
-                last = exc
-                log.info("env_llm.try_failed", pool=pool, request_id=request.request_id, error=str(exc))
-            except SchemaError as exc:
-                raise InferenceError(f"malformed reply from pool {pool!r}: {exc}", retryable=False) from exc
-        raise InferenceError(f"no reply from model pool {pool!r} after {config.max_tries} tries: {last}",
-                             retryable=True)
-
 
 def _int(value: Any) -> int:
     try:

@@ -141,6 +141,7 @@ class InferenceClient:
         """One try (``TurnRequests.request_once``)."""
         return await self.requests.request_once(subject, payload, worker, request_id)
 
-    async def generate(self, build: Callable[[int], InferenceRequested], prefer: str | None = None) -> TurnGenerated:
+    async def generate(self, build: Callable[[int], InferenceRequested], prefer: str | None = None, *,
+                       pool: str | None = None) -> TurnGenerated:
         """The turn for the request ``build(try_number)`` within the retry budget (``TurnRequests.generate``)."""
-        return await self.requests.generate(build, prefer)
+        return await self.requests.generate(build, prefer, pool=pool)

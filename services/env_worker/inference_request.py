@@ -24,7 +24,7 @@ from rollout_ledger.shared.kit.bus import best_effort
 from rollout_ledger.shared.kit.inbox import ReplyInbox
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.tracing import Tracing
-from rollout_ledger.shared.subjects import ERROR_HEADER, INFER_ANY, INFER_CANCEL, RETRYABLE_HEADER
+from rollout_ledger.shared.subjects import ERROR_HEADER, INFER_ANY, INFER_CANCEL, RETRYABLE_HEADER, infer_pool_subject
 
 log = get_logger(__name__)
 
@@ -32,8 +32,10 @@ log = get_logger(__name__)
 class TurnSource(Protocol):
     """Where an attempt gets its turns: ``TurnRequests`` (a fake in unit tests)."""
 
-    async def generate(self, build: Callable[[int], InferenceRequested], prefer: str | None = None) -> TurnGenerated:
-        """The turn for the request ``build(try_number)``, preferring the worker ``prefer``."""
+    async def generate(self, build: Callable[[int], InferenceRequested], prefer: str | None = None, *,
+                       pool: str | None = None) -> TurnGenerated:
+        """The turn for the request ``build(try_number)``, preferring the worker ``prefer`` (or from the model pool
+        ``pool``)."""
         ...
 
 
@@ -108,11 +110,15 @@ class TurnRequests:
             else:
                 self.waiting_any.discard(fut)
 
-    async def generate(self, build: Callable[[int], InferenceRequested], prefer: str | None = None) -> TurnGenerated:
-        """The turn for the request ``build(try_number)`` (tries count from 1), within the retry budget.
+    async def generate(self, build: Callable[[int], InferenceRequested], prefer: str | None = None, *,
+                       pool: str | None = None) -> TurnGenerated:
+        """The turn for the request ``build(try_number)`` (tries count from 1), within the retry budget: from the
+        policy's workers (``choose``), or from the queue group of the model pool ``pool`` (an env's own LLM).
 
-        Raises ``InferenceError`` when the budget is spent (retryable) or a worker refused the request for
-        good (not retryable).
+        A try that failed may still run on its worker (it timed out, or its worker was reaped while it was only
+        slow): it is cancelled there (``INFER_CANCEL``) before the next try, so the engine does not go on
+        generating a turn nobody waits for. Raises ``InferenceError`` when the budget is spent (retryable) or a
+        worker refused the request for good (not retryable).
         """
         excluded: set[str] = set()
         last: InferenceError | None = None
@@ -122,8 +128,11 @@ class TurnRequests:
                 self._on_retry()
                 await asyncio.sleep(backoff_delay(attempt - 2, self.backoff_initial_s, self.backoff_max_s,
                                                   jitter=0.0))
-            worker = choose(self.table.workers, prefer, excluded)
-            subject = worker.subject if worker is not None else INFER_ANY
+            if pool is None:
+                worker = choose(self.table.workers, prefer, excluded)
+                subject = worker.subject if worker is not None else INFER_ANY
+            else:
+                worker, subject = None, infer_pool_subject(pool)
             request = build(attempt)
             started = loop.time()
             try:
@@ -131,20 +140,26 @@ class TurnRequests:
                 turn = turn_of(reply, subject)
             except asyncio.CancelledError:
                 # The episode stopped waiting (its deadline passed): let the worker abort the generation.
-                with best_effort("cancel a turn request"):
-                    await self.nc.publish(INFER_CANCEL, request.request_id.encode())
+                await self.cancel(request.request_id)
                 raise
             except TryFailed as exc:
                 last = exc
                 if worker is not None:
                     excluded.add(worker.worker_id)
                 log.info("inference.try_failed", request_id=request.request_id, subject=subject, error=str(exc))
+                await self.cancel(request.request_id)
                 continue
             except SchemaError as exc:
                 raise InferenceError(f"malformed reply from {subject}: {exc}", retryable=False) from exc
             self._on_latency(loop.time() - started)
             return turn
-        raise InferenceError(f"no turn after {self.max_tries} tries: {last}", retryable=True)
+        where = f" of model pool {pool!r}" if pool is not None else ""
+        raise InferenceError(f"no turn{where} after {self.max_tries} tries: {last}", retryable=True)
+
+    async def cancel(self, request_id: str) -> None:
+        """Tell whichever worker runs ``request_id`` to abort it (one that does not run it ignores this)."""
+        with best_effort("cancel a turn request"):
+            await self.nc.publish(INFER_CANCEL, request_id.encode())
 
 
 def turn_of(reply: Msg, subject: str) -> TurnGenerated:

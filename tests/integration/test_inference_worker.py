@@ -303,6 +303,32 @@ async def test_drain_timeout_aborts_and_answers_retryable(nc: bus.NATS, nats_url
     assert time.perf_counter() - t0 < 5
 
 
+async def test_a_try_that_timed_out_is_aborted_on_the_worker_still_generating_it(
+        nc: bus.NATS, nats_url: str, model_dir: str, heartbeats: Heartbeats) -> None:
+    """The env worker's client gives up on a try after ``request_timeout_s`` and tries again (here on the same
+    worker, through ``INFER_ANY``): the worker, still generating the first try, aborts it when the client cancels
+    it, instead of generating for nobody until the engine ends (a 30 s fake generation here)."""
+    from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
+    from rollout_ledger.shared.errors import InferenceError
+
+    settings = make_settings(nats_url, model_dir, fake_delay_s=30.0)
+    client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=0.5, max_tries=2, backoff_initial_s=0.01))
+    await client.start()
+    try:
+        async with worker(settings, heartbeats):
+            await until(lambda: settings.worker_id in client.workers, what="client sees the worker")
+            with pytest.raises(InferenceError, match="after 2 tries"):
+                await client.generate(lambda t: request_for(model_dir, try_=t))
+            beats = heartbeats.of(settings.worker_id)
+            assert any(hb["inflight"] >= 1 for hb in beats), "the worker took the tries"
+            # both tries aborted on the worker: a heartbeat after the client gave up says nothing runs there, far
+            # sooner than the fake engine's 30 s
+            await until(lambda: any(hb["inflight"] == 0 for hb in heartbeats.of(settings.worker_id)[len(beats):]),
+                        10.0, "a heartbeat with nothing in flight after the client gave up")
+    finally:
+        await client.stop()
+
+
 async def test_env_worker_client_routes_around_a_full_worker(nc: bus.NATS, nats_url: str, model_dir: str,
                                                                heartbeats: Heartbeats) -> None:
     from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig

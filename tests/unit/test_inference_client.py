@@ -30,7 +30,15 @@ from rollout_ledger.shared.events import (
     encode,
 )
 from rollout_ledger.shared.kit import bus
-from rollout_ledger.shared.subjects import INFER_ANY, INFER_HEARTBEAT, INFER_QUEUE, event_subject, infer_worker_subject
+from rollout_ledger.shared.subjects import (
+    INFER_ANY,
+    INFER_CANCEL,
+    INFER_HEARTBEAT,
+    INFER_QUEUE,
+    event_subject,
+    infer_pool_subject,
+    infer_worker_subject,
+)
 from tests.helpers import until
 
 BEAT_S = 0.1
@@ -42,8 +50,10 @@ class Responder:
     RL_EVENTS, as a worker does before replying, and the reply never arrives: a NATS restart in between)."""
 
     def __init__(self, nc: bus.NATS, worker_id: str, mode: str = "reply", capacity: int = 8,
-                 join_any: bool = False) -> None:
+                 join_any: bool = False, pool: str | None = None) -> None:
         self.nc, self.worker_id, self.mode, self.capacity, self.join_any = nc, worker_id, mode, capacity, join_any
+        self.pool = pool
+        """A model pool's worker: it takes that pool's queue group only, and sends no heartbeat."""
         self.requests: list[InferenceRequested] = []
         self.draining = False
         self.inflight = 0
@@ -51,6 +61,11 @@ class Responder:
         self._beat: asyncio.Task[None] | None = None
 
     async def start(self, heartbeat: bool = True) -> Responder:
+        if self.pool is not None:
+            self._subs.append(await self.nc.subscribe(infer_pool_subject(self.pool), queue=f"pool-{self.pool}",
+                                                      cb=self._on_request))
+            await self.nc.flush()
+            return self
         self._subs.append(await self.nc.subscribe(infer_worker_subject(self.worker_id), cb=self._on_request))
         if self.join_any:
             self._subs.append(await self.nc.subscribe(INFER_ANY, queue=INFER_QUEUE, cb=self._on_request))
@@ -259,6 +274,58 @@ async def test_request_timeout_counts_as_a_try(nc: bus.NATS) -> None:
     assert [r.request_id for r in slow.requests] == ["b.0.0:a1:t0:r1"]  # try 2 went to INFER_ANY (excluded)
     await slow.stop()
     await c.stop()
+
+
+async def _cancels(nc: bus.NATS) -> tuple[list[str], Subscription]:
+    """The request ids cancelled on ``INFER_CANCEL`` (what an inference worker listens to), as they come."""
+    cancels: list[str] = []
+
+    async def on_cancel(msg: Msg) -> None:
+        cancels.append(msg.data.decode())
+
+    sub = await nc.subscribe(INFER_CANCEL, cb=on_cancel)
+    await nc.flush()
+    return cancels, sub
+
+
+async def test_a_try_that_timed_out_is_cancelled_on_its_worker(nc: bus.NATS) -> None:
+    """The worker of a try that timed out may still be generating it: the client cancels that try (its own request
+    id) before the next one, so the engine does not go on with a turn nobody waits for. A try that had no
+    responders is cancelled too (nobody runs it: nothing happens)."""
+    cancels, sub = await _cancels(nc)
+    c = InferenceClient(nc, InferenceClientConfig(request_timeout_s=0.3, max_tries=2, backoff_initial_s=0.0,
+                                                  heartbeat_timeout_s=30.0))
+    await c.start()
+    slow = await Responder(nc, "slow", mode="silent").start()
+    await until(lambda: "slow" in c.workers, 5.0)
+    with pytest.raises(InferenceError):
+        await c.generate(request_builder())
+    assert [r.request_id for r in slow.requests] == ["b.0.0:a1:t0:r1"]
+    await until(lambda: cancels == ["b.0.0:a1:t0:r1", "b.0.0:a1:t0:r2"], 5.0, "each failed try cancelled, in order")
+    await sub.unsubscribe()
+    await slow.stop()
+    await c.stop()
+
+
+async def test_a_model_pool_is_asked_on_its_queue_group_within_the_same_budget(nc: bus.NATS,
+                                                                              client: InferenceClient) -> None:
+    """An env's own LLM (``pool``): its requests go to the pool's queue group, never to a policy worker, and are
+    tried again and cancelled like a turn; the error names the pool."""
+    policy = await Responder(nc, "policy-0").start()
+    await until(lambda: "policy-0" in client.workers, 5.0)
+    users = await Responder(nc, "users-0", pool="users").start()
+    turn = await client.generate(request_builder(), pool="users")
+    assert turn.worker_id == "users-0" and policy.requests == []
+    cancels, sub = await _cancels(nc)
+    users.mode = "retryable"
+    with pytest.raises(InferenceError, match="of model pool 'users' after 3 tries"):
+        await client.generate(request_builder(turn=1), pool="users")
+    assert [r.request_id for r in users.requests[1:]] == ["b.0.0:a1:t1:r1", "b.0.0:a1:t1:r2", "b.0.0:a1:t1:r3"]
+    await until(lambda: len(cancels) == 3, 5.0, "the three failed tries cancelled")
+    assert policy.requests == []
+    await sub.unsubscribe()
+    await users.stop()
+    await policy.stop()
 
 
 async def test_a_reply_lost_in_a_nats_restart_is_read_back_from_the_stream(nc: bus.NATS,
