@@ -292,22 +292,27 @@ def test_keep_continues_the_turns_in_flight_on_the_new_version(run: Run) -> None
     lost = metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"})  # the abort's, before
     v3 = run.checkpoint(3, 1.1)
     # 4 episodes, all running at once (the env worker's concurrency), of turns of exactly 256 ids (min_tokens =
-    # max_tokens: no early end of turn), several seconds of decoding even on a fast CPU. The push goes out once every
-    # first turn is recorded and a generation has been decoding for 0.25 s (ids sampled by version 2): that
-    # generation is a second turn, which started with the others after the first turns' steps, so the swap cuts it
-    # mid-way with seconds to spare, on a slow machine or a fast one. (Waiting for "a generation decoding for 0.25 s"
-    # alone could read a first turn about to end, and push between the turns. With more episodes than the
+    # max_tokens: no early end of turn), several seconds of decoding even on a fast CPU; the 4 turns of a wave run in
+    # lockstep. The push goes out once every first turn is recorded and a second turn has been in the engine for a
+    # third of the time a first turn took: it has sampled ids (version 2's) and has about two thirds of its decoding
+    # left, so the swap cuts it mid-way, on a slow machine or a fast one. A fixed reading does not hold on every
+    # machine: "in the engine for 0.25 s" read a second turn still queued or prefilling on a CPU 4x slower (the cut
+    # kept 0 ids), and "in the engine" alone could read a first turn about to end. (With more episodes than the
     # concurrency, "every first turn recorded" would wait for a second wave of episodes: three turns of decoding.)
     batch = run.submit([{"turns": 2, "topic": "lighthouses"}] * 2, max_turns=2,
                        sampling={"temperature": 1.0, "max_tokens": 256, "min_tokens": 256})
 
-    def second_turns_decoding() -> bool:
-        first = run.sql.scalar("select count(*) from turns t join episodes e on e.id = t.episode_id "
-                               "where e.batch_id = :b and t.turn_index = 0", b=batch)
-        return first == 4 and metric(run.inf.url, "rollout_inference_oldest_generation_seconds") >= 0.25
+    def second_turns_a_third_through() -> bool:
+        first = run.sql.rows("select t.generate_ms from turns t join episodes e on e.id = t.episode_id "
+                             "where e.batch_id = :b and t.turn_index = 0", b=batch)
+        if len(first) < 4:
+            return False
+        a_third_s = min(float(r["generate_ms"]) for r in first) / 1000 / 3
+        return metric(run.inf.url, "rollout_inference_oldest_generation_seconds") >= a_third_s
 
     # the bound of a batch phase here (as ``wait_done``'s): one wave of 4 x 256 ids took 35 s beside two busy cores
-    wait_for(second_turns_decoding, 240, "every first turn recorded and a second turn decoding for 0.25 s",
+    wait_for(second_turns_a_third_through, 240,
+             "every first turn recorded and a second turn in the engine for a third of a first turn's time",
              interval_s=0.02)
     run.push(3, v3, "keep")
     run.until_state(3, "serving")
@@ -316,7 +321,9 @@ def test_keep_continues_the_turns_in_flight_on_the_new_version(run: Run) -> None
     assert check_token_exact(run.sql, batch) == 4
     assert metric(run.inf.url, "rollout_inference_regenerated_total") == regenerated, "nothing generated twice"
     assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"}) == lost, "no sampled id discarded"
-    assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "kept"}) > 0
+    log = run.inf.log_path.read_text(errors="replace").splitlines()
+    cuts = [line for line in log if "weights.abort_running" in line]
+    assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "kept"}) > 0, f"the cut kept no id: {cuts[-1:]}"
     straddled = run.sql.rows("select t.version_runs, cardinality(t.token_ids) as n from turns t join episodes e "
                              "on e.id = t.episode_id where e.batch_id = :b and t.version_runs is not null", b=batch)
     assert straddled, "turns in flight at the swap span versions 2 and 3"
