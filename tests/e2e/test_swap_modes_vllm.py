@@ -191,6 +191,12 @@ def logs_on_failure(run: Run, request: pytest.FixtureRequest) -> Iterator[None]:
                   f"{proc.tail_log(60)}")
 
 
+def last_line(proc: ServiceProcess, event: str) -> str:
+    """The last line of the process's log that names ``event`` (for a failure's message)."""
+    lines = [line for line in proc.log_path.read_text(errors="replace").splitlines() if event in line]
+    return lines[-1] if lines else f"no {event} in {proc.log_path}"
+
+
 def check_versions(run: Run, batch_id: str) -> dict[int, int]:
     """Every kept turn's version is its trajectory's action version, never lower than the turn before it in its
     episode, and its stored logprobs are transformers' under that version's weights (and, over the version's turns,
@@ -321,9 +327,8 @@ def test_keep_continues_the_turns_in_flight_on_the_new_version(run: Run) -> None
     assert check_token_exact(run.sql, batch) == 4
     assert metric(run.inf.url, "rollout_inference_regenerated_total") == regenerated, "nothing generated twice"
     assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "lost"}) == lost, "no sampled id discarded"
-    log = run.inf.log_path.read_text(errors="replace").splitlines()
-    cuts = [line for line in log if "weights.abort_running" in line]
-    assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "kept"}) > 0, f"the cut kept no id: {cuts[-1:]}"
+    assert metric(run.inf.url, "rollout_swap_tokens_total", {"fate": "kept"}) > 0, \
+        f"the cut kept no id: {last_line(run.inf, 'weights.abort_running')}"
     straddled = run.sql.rows("select t.version_runs, cardinality(t.token_ids) as n from turns t join episodes e "
                              "on e.id = t.episode_id where e.batch_id = :b and t.version_runs is not null", b=batch)
     assert straddled, "turns in flight at the swap span versions 2 and 3"
