@@ -112,14 +112,7 @@ viewer-screenshots: install model  ## the viewer's screenshots in docs/viewer/ (
 
 lint: install  ## ruff + mypy
 	$(BIN)/ruff check .
-	@rm -rf .build/typecheck && mkdir -p .build/typecheck/rollout_ledger
-	@ln -s $(CURDIR)/cli .build/typecheck/rollout_ledger/cli
-	@ln -s $(CURDIR)/client .build/typecheck/rollout_ledger/client
-	@ln -s $(CURDIR)/shared .build/typecheck/rollout_ledger/shared
-	@ln -s $(CURDIR)/services .build/typecheck/rollout_ledger/services
-	@ln -s $(CURDIR)/migrations .build/typecheck/rollout_ledger/migrations
-	cd .build/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml \
-		-p rollout_ledger.cli -p rollout_ledger.client -p rollout_ledger.shared -p rollout_ledger.services
+	$(BIN)/mypy -p rollout_ledger
 
 bench: install model  ## benchmarks (figures go to docs/benchmarks.md by hand, with the command)
 	$(BIN)/python -m bench.wire_encoding

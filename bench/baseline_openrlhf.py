@@ -5,8 +5,8 @@ inside the trainer process; each agent call sends the whole message history; the
 template over the whole history and re-tokenises it, checks prefix stability against the session's previous
 call, "generates" with a zero-cost engine and keeps token traces in memory. Nothing is durable.
 
-It uses the same tokenizer and chat template as Rollout Ledger (shared/kit/chat.py) and the same zero-cost
-responder as the fake engine, so the difference measured is the design, not the parts.
+It uses the same tokenizer and chat template as Rollout Ledger (rollout_ledger/shared/kit/chat.py) and the same
+zero-cost responder as the fake engine, so the difference measured is the design, not the parts.
 """
 
 from __future__ import annotations

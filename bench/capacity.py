@@ -439,7 +439,7 @@ class Assumptions:
     min_replicas: int = 2
     """Every service runs at least two replicas (one may be lost)."""
     events_max_age_days: float = 7.0
-    """RL_EVENTS keeps every event this long (shared/subjects.py, ``max_age_s``)."""
+    """RL_EVENTS keeps every event this long (rollout_ledger/shared/subjects.py, ``max_age_s``)."""
     stream_replicas: int = 3
     """JetStream replicas of each stream in a NATS cluster (storage and disk writes multiply by it)."""
     queued_episodes_per_session: float = 1.0

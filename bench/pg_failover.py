@@ -1,6 +1,6 @@
 """Postgres failover benchmark: episodes through the real services on a primary with a synchronous standby
-(cli/stack/pg_replication.py); the primary is killed with SIGKILL mid-batch, the standby promoted, and then what
-became of every episode and of every turn the primary had committed.
+(rollout_ledger/cli/stack/pg_replication.py); the primary is killed with SIGKILL mid-batch, the standby promoted, and
+then what became of every episode and of every turn the primary had committed.
 
 The services and an exporter following a consumer (``rollout export --consumer failover --follow``) are given the
 pair's multi-host DSN (``target_session_attrs=read-write``) as ``DATABASE_URL`` and nothing else: they find the new

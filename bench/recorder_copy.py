@@ -2,14 +2,16 @@
 in one run (every round runs each way once, in turn: the machine's speed drifts between minutes, not between
 neighbouring runs; each way's fastest run counts and the ratio of every round is printed too):
 
-- ``hand-built`` (the baseline): the recorder's encoder until 2026-11-24 (``services/recorder/pgbinary.py``, kept
+- ``hand-built`` (the baseline): the recorder's encoder until 2026-11-24
+(``rollout_ledger/services/recorder/pgbinary.py``, kept
   below as ``_baseline_*``): each COPY row assembled by hand from ``struct`` packs and numpy-encoded arrays, with
   its column order kept apart from the column list, and the payload sent with one ``copy.write``;
 - ``psycopg lists``: ``Copy.set_types`` + ``Copy.write_row`` with psycopg's own dumpers only, the arrays handed
   over as Python lists (``ndarray.tolist()``: psycopg 3.3 adapts numpy scalars, not arrays);
 - ``write_row + numpy`` (the recorder now): ``set_types`` + ``write_row`` with rows from the store's table
   declarations (``store.TURNS`` / ``STEPS`` / ``TRAJECTORIES``) and the dumpers of
-  ``services/recorder/adapters.py`` (numpy arrays, range-checked int4 / float4, orjson jsonb); the COPY itself is
+  ``rollout_ledger/services/recorder/adapters.py`` (numpy arrays, range-checked int4 / float4, orjson jsonb); the COPY
+  itself is
   ``Tx._copy``, the recorder's own;
 - ``... unchecked scalars``: the same with psycopg's C int4 / float4 dumpers, which wrap an int outside int32 and
   make a too-large float infinite without a word (what the checks cost).
@@ -66,7 +68,7 @@ from rollout_ledger.services.recorder.store import (
 from rollout_ledger.shared.events import FinishReason, StepCompleted, TurnGenerated
 from rollout_ledger.shared.lifecycle import EpisodeStatus
 
-# --- the baseline: services/recorder/pgbinary.py as it was (its COPY rows; arrays as in adapters.py) -----------
+# --- the baseline: rollout_ledger/services/recorder/pgbinary.py as it was (its COPY rows; arrays as in adapters.py) --
 
 _COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + b"\x00\x00\x00\x00" * 2
 _COPY_TRAILER = b"\xff\xff"

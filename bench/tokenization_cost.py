@@ -1,7 +1,7 @@
 """Tokenisation cost per turn at turn 1 versus turn 40 of one long conversation (issue 3, benchmark b).
 
-The env worker's token-exact transcript (services/env_worker/tokenization.py) appends each turn's sampled ids
-verbatim and tokenises only the template text the turn adds; its cost must not grow with the history. Times
+The env worker's token-exact transcript (rollout_ledger/services/env_worker/tokenization.py) appends each turn's sampled
+ids verbatim and tokenises only the template text the turn adds; its cost must not grow with the history. Times
 ``add_sampled`` + ``add_observation`` per turn index, averaged over many conversations, with the real SmolLM2
 tokenizer and chat template. Run: `python -m bench.tokenization_cost` (part of `make bench`).
 """

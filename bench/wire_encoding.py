@@ -2,7 +2,7 @@
 
 For one TurnGenerated event per size: encode + decode + validation into the event model with
 (a) JSON lists of ints, (b) JSON with base64 int32 arrays, (c) msgpack with raw little-endian ``bin`` arrays
-(what shared/events.encode uses). Run: `python bench/wire_encoding.py` (part of `make bench`).
+(what rollout_ledger/shared/events.encode uses). Run: `python bench/wire_encoding.py` (part of `make bench`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The group advantages of client/advantages.py computed in numpy, one group at a time: the reference the exporter's
-SQL is tested against (tests/unit/test_export_records.py, tests/integration/test_export_selection.py)."""
+"""The group advantages of rollout_ledger/client/advantages.py computed in numpy, one group at a time: the reference the
+exporter's SQL is tested against (tests/unit/test_export_records.py, tests/integration/test_export_selection.py)."""
 
 from __future__ import annotations
 

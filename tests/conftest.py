@@ -74,8 +74,8 @@ def _containers(stack: contextlib.ExitStack, given_nats: str | None, given_db: s
         nats_url = stack.enter_context(nats).nats_uri()
     db_url = given_db
     if not db_url:
-        # tuned as the private server is (cli/stack/servers.py): a throw-away cluster needs no durability, and
-        # fsync on Docker's overlay filesystem made the suite a third slower
+        # tuned as the private server is (rollout_ledger/cli/stack/servers.py): a throw-away cluster needs no
+        # durability, and fsync on Docker's overlay filesystem made the suite a third slower
         pg = (PostgresContainer(images.postgres, driver="psycopg").with_network(network)
               .with_network_aliases("postgres").with_command(TEST_POSTGRES_COMMAND)
               .with_env("PGDATA", "/var/lib/postgresql/ram/pgdata"))
@@ -91,10 +91,10 @@ max_payload: 8MB
 max_pending: 64MB
 jetstream { store_dir: "/data/jetstream" }
 """
-"""What the private nats-server runs with (cli/stack/servers.py), in the container."""
+"""What the private nats-server runs with (rollout_ledger/cli/stack/servers.py), in the container."""
 TEST_POSTGRES_COMMAND = ("postgres -c fsync=off -c synchronous_commit=off -c full_page_writes=off "
                          "-c max_connections=200")
-"""The private server's settings (cli/stack/servers.py), in the container."""
+"""The private server's settings (rollout_ledger/cli/stack/servers.py), in the container."""
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,9 @@ class Sent:
 
 @dataclass
 class FakeProducer:
-    """A ``Producer`` (shared/kit/publisher.py) with no NATS: records what is published and acks it at once, or
-    fails the ids in ``refuse`` (the stream's refusal), leaves those in ``silent`` unacked (a lost ack), and raises
-    ``BusError`` at the hand-off once ``closed`` (a closed connection)."""
+    """A ``Producer`` (rollout_ledger/shared/kit/publisher.py) with no NATS: records what is published and acks it at
+    once, or fails the ids in ``refuse`` (the stream's refusal), leaves those in ``silent`` unacked (a lost ack), and
+    raises ``BusError`` at the hand-off once ``closed`` (a closed connection)."""
 
     sent: list[Sent] = field(default_factory=list)
     refuse: set[str] = field(default_factory=set)

@@ -117,8 +117,8 @@ async def metric_async(url: str, name: str, labels: dict[str, str] | None = None
 
 async def publish_event(js: Any, event: EventBase, route: str | None = None) -> None:
     """Put ``event`` on its stream as a test stands in for a service (the services publish through their producer,
-    shared/kit/publisher.py): its subject (a work item's: its ``route``'s), ``Nats-Msg-Id`` its ``event_id``, awaiting
-    the stream's ack."""
+    rollout_ledger/shared/kit/publisher.py): its subject (a work item's: its ``route``'s), ``Nats-Msg-Id`` its
+    ``event_id``, awaiting the stream's ack."""
     await js.publish(subject_of(str(event.type), route), encode(event), timeout=10,
                      headers={MSG_ID_HEADER: str(event.event_id)})
 

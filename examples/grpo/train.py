@@ -6,7 +6,7 @@ Each iteration:
    sampled ``--group-size`` times: one GRPO group per task);
 2. waits for it and reads exactly that batch's new complete groups through the consumer cursor (the Python
    ``TrajectoryReader``, a named consumer: each trajectory is delivered once), with GRPO advantages computed by the
-   exporter (``client/advantages.py``);
+   exporter (``rollout_ledger/client/advantages.py``);
 
    With ``--max-staleness K`` (pipelined) it instead submits ONE batch for the whole run, bounded at admission
    (``max_staleness`` K, ``episodes_per_version`` one iteration's episodes): the scheduler starts the next
@@ -64,7 +64,7 @@ from rollout_ledger.client.source import libpq_url
 from rollout_ledger.shared.kit.settings import default_model_dir
 
 ENV = "arithmetic"
-"""The task: ``services/envs/arithmetic.py`` with explicit operands (``{"a", "b", "op"}``)."""
+"""The task: ``rollout_ledger/services/envs/arithmetic.py`` with explicit operands (``{"a", "b", "op"}``)."""
 TIED_HEAD = "lm_head.weight"
 """Not saved when the model ties it to the embedding (the checkpoint has the embedding only, as the original)."""
 

@@ -7,7 +7,7 @@ Run it, then point an env worker at it and submit a batch:
     rollout submit --env remote:reverse-word --task '{"word": "ledger"}' --max-turns 3
 
 The protocol (the one of interactor.py plus a reset that carries the task; see
-services/envs/remote.py for the client):
+rollout_ledger/services/envs/remote.py for the client):
 
     POST   /{env}/{env_id}/reset            {"task": {...}}      -> {"tools": null}
     GET    /{env}/{env_id}/get_task_prompt                        -> [messages]: the whole conversation so far

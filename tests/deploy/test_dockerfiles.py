@@ -1,5 +1,5 @@
 """docker/Dockerfile is hadolint clean and agrees with the code: targets, pinned bases, user, port, healthcheck,
-model path and entrypoint (shared/deploy.py); .dockerignore lets in exactly what the build copies."""
+model path and entrypoint (rollout_ledger/shared/deploy.py); .dockerignore lets in exactly what the build copies."""
 
 from __future__ import annotations
 
@@ -167,21 +167,25 @@ def test_the_test_servers_are_an_extra_no_image_carries() -> None:
     assert module.distribution("pydantic_settings>=2") == "pydantic-settings"
 
 
-def test_the_wheel_lists_every_package() -> None:
-    """The images install a wheel, which holds only the packages pyproject lists (an editable install hides this)."""
-    import tomllib
+def test_the_wheel_holds_every_file_of_the_package(tmp_path: Path) -> None:
+    """The images install the project's wheel, which holds only what pyproject lets in (an editable install hides a
+    module or template left out): the wheel built from a copy of the sources holds every file of ``rollout_ledger/``."""
+    import shutil
+    import sys
+    import zipfile
 
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed = set(setuptools["packages"])
-    found = {
-        "rollout_ledger." + ".".join(init.parent.relative_to(ROOT).parts)
-        for top in setuptools["package-dir"].values()
-        for init in (ROOT / top).rglob("__init__.py")
-    }
-    # data-only folders (templates) are listed as packages with their package-data, so setuptools ships them
-    data_only = {name for name in setuptools["package-data"] if name not in found}
-    for name in data_only:
-        folder = ROOT / name.removeprefix("rollout_ledger.").replace(".", "/")
-        assert name in listed and any(folder.glob(setuptools["package-data"][name][0])), name
-    assert found == listed - data_only, (f"missing from pyproject: {sorted(found - listed)}; "
-                                         f"stale: {sorted(listed - data_only - found)}")
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "rollout_ledger", source / "rollout_ledger", ignore=ignore)
+    out = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "-w", str(out), str(source)], check=True, timeout=300)
+    [wheel] = out.glob("rollout_ledger-*.whl")
+    packed = {name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("rollout_ledger/")}
+    files = {path.relative_to(source).as_posix() for path in (source / "rollout_ledger").rglob("*") if path.is_file()}
+    assert any(name.endswith(".jinja") for name in files) and any(name.endswith(".js") for name in files)
+    assert files - packed == set(), "files the wheel (and so the images) would lack"
+    assert packed - files == set(), "the wheel holds files the sources lack"

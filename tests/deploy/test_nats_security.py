@@ -1,6 +1,6 @@
-"""The manifests give each bus service its own NATS user and password (the users of shared/nats_auth.py), the NATS
-pods every password and the generated permission file, and make the HTTP servers reachable in the pod (the code's
-default bind is loopback)."""
+"""The manifests give each bus service its own NATS user and password (the users of rollout_ledger/shared/nats_auth.py),
+the NATS pods every password and the generated permission file, and make the HTTP servers reachable in the pod (the
+code's default bind is loopback)."""
 
 from __future__ import annotations
 

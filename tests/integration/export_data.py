@@ -158,7 +158,7 @@ def turn_rows(t: Traj, seed: int = 0) -> list[TurnRows]:
 
 def seed_turns(database_url: str, batch_id: str, groups: Sequence[Sequence[Traj]]) -> None:
     """The kept turns and steps (``turns``, ``steps`` rows) of the trajectories ``seed_batch`` stored for ``groups``
-    (event ids as ``shared/ids.py`` spells them)."""
+    (event ids as ``rollout_ledger/shared/ids.py`` spells them)."""
     with psycopg.connect(libpq_url(database_url)) as conn, conn.cursor() as cur:
         for ti, group in enumerate(groups):
             for gi, t in enumerate(group):

@@ -1,5 +1,5 @@
 """How far behind a consumer is (`rollout feed consumers`, docs/sql.md): only the feed entries after its cursor
-that it would read into its selection count (services/exporter/retention.py, ``lag_query``)."""
+that it would read into its selection count (rollout_ledger/services/exporter/retention.py, ``lag_query``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Feed retention on real Postgres: `rollout feed prune` deletes only what no consumer can need, so registered and
-new consumers still get every trajectory version exactly once (services/exporter/retention.py)."""
+new consumers still get every trajectory version exactly once (rollout_ledger/services/exporter/retention.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The migrations build exactly the schema shared/db.py declares, and services refuse an older schema."""
+"""The migrations build exactly the schema rollout_ledger/shared/db.py declares, and services refuse an older schema."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """NATS authorization and TLS: the real services complete a batch as their own users, every refusal of
-shared/nats_auth.py holds on a real nats-server (each checked against stored state, with the admin doing the same
-thing as the control), and TLS with a CA generated here."""
+rollout_ledger/shared/nats_auth.py holds on a real nats-server (each checked against stored state, with the admin doing
+the same thing as the control), and TLS with a CA generated here."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""A three-node JetStream cluster on loopback (``PrivateNatsCluster``, cli/stack/servers.py) with the service users of
-shared/nats_auth.py: streams and buckets at 3 replicas (an existing single-replica topology is scaled up), and the bus
-helpers riding out the loss of a stream's leader: fetches fail with a retryable ``BusError`` and go on after the
-election, publishes are tried again until stored, and nothing is lost or stored twice."""
+"""A three-node JetStream cluster on loopback (``PrivateNatsCluster``, rollout_ledger/cli/stack/servers.py) with the
+service users of rollout_ledger/shared/nats_auth.py: streams and buckets at 3 replicas (an existing single-replica
+topology is scaled up), and the bus helpers riding out the loss of a stream's leader: fetches fail with a retryable
+``BusError`` and go on after the election, publishes are tried again until stored, and nothing is lost or stored
+twice."""
 
 from __future__ import annotations
 

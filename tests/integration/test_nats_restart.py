@@ -1,5 +1,5 @@
 """NATS killed (SIGKILL) and restarted while episodes run: every episode still running keeps its work item, so no
-turn is generated twice and no episode is lost (the episode leases of services/env_worker/leases.py)."""
+turn is generated twice and no episode is lost (the episode leases of rollout_ledger/services/env_worker/leases.py)."""
 
 from __future__ import annotations
 

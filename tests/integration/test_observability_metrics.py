@@ -206,7 +206,7 @@ async def test_the_scheduler_exports_the_queue_gauges_from_its_start(nats_url: s
 
 @pytest.fixture
 def secured() -> Iterator[PrivateNats]:
-    """A nats-server of its own with the project's users and permissions (``shared/nats_auth.py``)."""
+    """A nats-server of its own with the project's users and permissions (``rollout_ledger/shared/nats_auth.py``)."""
     root = Path(tempfile.mkdtemp(prefix="rollout-ledger-nats-auth-", dir="/tmp"))
     server = PrivateNats(root, auth=True)
     server.start()

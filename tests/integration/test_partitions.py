@@ -1,6 +1,6 @@
-"""Time partitions and their archive on real Postgres (migration 0016, services/exporter/archive.py): rows land in
-their month's partition, a redelivered event is still stored once, and an archived period's trajectories come back
-from `rollout export` and ``TrajectoryReader.archived`` exactly as before it was archived."""
+"""Time partitions and their archive on real Postgres (migration 0016, rollout_ledger/services/exporter/archive.py):
+rows land in their month's partition, a redelivered event is still stored once, and an archived period's trajectories
+come back from `rollout export` and ``TrajectoryReader.archived`` exactly as before it was archived."""
 
 from __future__ import annotations
 

@@ -82,8 +82,8 @@ async def test_a_connection_to_a_server_turned_read_only_is_dropped(database_url
 
 
 def test_the_pair_acknowledges_a_commit_only_once_the_standby_has_it() -> None:
-    """The guarantee the failover rests on (cli/stack/pg_replication.py): with the standby down, a commit on the
-    primary waits (``SyncRep``) instead of returning; once the standby is back the commit returns and the row is
+    """The guarantee the failover rests on (rollout_ledger/cli/stack/pg_replication.py): with the standby down, a commit
+    on the primary waits (``SyncRep``) instead of returning; once the standby is back the commit returns and the row is
     on the standby."""
     root = Path(tempfile.mkdtemp(prefix="rollout-ledger-pair-", dir="/tmp"))
     os.chmod(root, 0o755)  # the servers run as nobody when we are root

@@ -1,6 +1,7 @@
-"""The recorder's binary COPY (services/recorder/store.py declarations, services/recorder/adapters.py dumpers)
-against real Postgres: every column of a COPY'd turn and step reads back exactly, arrays round-trip both ways,
-and a value that does not fit makes a non-retryable ``StoreError`` (the batch is then replayed one by one)."""
+"""The recorder's binary COPY (rollout_ledger/services/recorder/store.py declarations,
+rollout_ledger/services/recorder/adapters.py dumpers) against real Postgres: every column of a COPY'd turn and step
+reads back exactly, arrays round-trip both ways, and a value that does not fit makes a non-retryable ``StoreError`` (the
+batch is then replayed one by one)."""
 
 from __future__ import annotations
 

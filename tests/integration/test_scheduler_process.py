@@ -65,8 +65,8 @@ async def test_scheduler_process_refuses_to_start_without_a_token(stack: Stack) 
 
 @pytest.mark.parametrize("service", ["env-worker", "inference-worker", "recorder"])
 async def test_every_service_refuses_a_bad_setting_naming_it_not_its_value(stack: Stack, service: str) -> None:
-    """The services share one main (shared/kit/service.py): a setting that does not validate ends the process with
-    exit code 2 and one log line naming the field, never the value given."""
+    """The services share one main (rollout_ledger/shared/kit/service.py): a setting that does not validate ends the
+    process with exit code 2 and one log line naming the field, never the value given."""
     proc = stack.start(service, wait=False, ROLLOUT_NATS_CONNECT_TIMEOUT_S="secret-not-a-number")
     assert proc.proc is not None
     assert await asyncio.to_thread(proc.proc.wait, 30) == 2

@@ -1,5 +1,6 @@
 """One episode, one trace: the real service processes export their spans over OTLP/HTTP to a receiver this test runs
-(cli/stack/otlp_sink.py, decoding the protobuf ``ExportTraceServiceRequest``s), on real NATS and Postgres.
+(rollout_ledger/cli/stack/otlp_sink.py, decoding the protobuf ``ExportTraceServiceRequest``s), on real NATS and
+Postgres.
 
 Proves, per episode: the trace starts at the scheduler's publish of the work item, holds spans of all four services,
 the env worker's attempt is the child of that publish, every turn of the attempt, every generation of a turn (its

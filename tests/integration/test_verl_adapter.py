@@ -1,5 +1,5 @@
-"""The verl adapter (client/adapters/verl.py) under verl 0.9.1's own code, against a real ledger: verl's dataset,
-trainer batch, AgentLoopManager and AgentLoopWorkers run our agent loop in ``.venv-verl`` (``make verl``;
+"""The verl adapter (rollout_ledger/client/adapters/verl.py) under verl 0.9.1's own code, against a real ledger: verl's
+dataset, trainer batch, AgentLoopManager and AgentLoopWorkers run our agent loop in ``.venv-verl`` (``make verl``;
 tests/verl_driver.py), and the tensors of the ``DataProto`` they make are checked here against the trajectories
 the ledger stored: token-exact ids, the mask exactly on sampled ids, the engine's logprobs verbatim, the reward on
 the last response token, one ledger group per verl uid. Its checkpoint engine and manager publish two steps'

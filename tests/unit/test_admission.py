@@ -1,5 +1,5 @@
-"""The admission rule (services/scheduler/admission.py): the staleness gap, the run-ahead limit, its base, whole
-groups, and the reason given for what is held."""
+"""The admission rule (rollout_ledger/services/scheduler/admission.py): the staleness gap, the run-ahead limit, its
+base, whole groups, and the reason given for what is held."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The one place nats-py's failures become ``BusError`` (shared/kit/bus.py): what passes is retryable, a refusal is
-not (also when nats-py builds the error without its code, as its KV errors are), and anything else passes through
-``bus_errors`` unchanged."""
+"""The one place nats-py's failures become ``BusError`` (rollout_ledger/shared/kit/bus.py): what passes is retryable, a
+refusal is not (also when nats-py builds the error without its code, as its KV errors are), and anything else passes
+through ``bus_errors`` unchanged."""
 
 from __future__ import annotations
 

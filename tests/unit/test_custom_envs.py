@@ -1,6 +1,6 @@
-"""Unit tests of user env classes (services/envs/custom.py): ``ROLLOUT_ENV_CLASSES`` and the ``rollout_ledger.envs``
-entry points (a real distribution on a temporary sys.path entry), the gymnasium adapter with sync and async
-classes, and every start-up check. Through a real stack: tests/integration/test_library_envs.py."""
+"""Unit tests of user env classes (rollout_ledger/services/envs/custom.py): ``ROLLOUT_ENV_CLASSES`` and the
+``rollout_ledger.envs`` entry points (a real distribution on a temporary sys.path entry), the gymnasium adapter with
+sync and async classes, and every start-up check. Through a real stack: tests/integration/test_library_envs.py."""
 
 from __future__ import annotations
 

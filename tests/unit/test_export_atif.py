@@ -1,5 +1,6 @@
-"""The ATIF mapping (``services/exporter/atif.py``) on the two-segment example trajectory of docs/export.md: the steps
-it makes, token-exact, the tool calls it parses, and the records it refuses (naming the trajectory)."""
+"""The ATIF mapping (``rollout_ledger/services/exporter/atif.py``) on the two-segment example trajectory of
+docs/export.md: the steps it makes, token-exact, the tool calls it parses, and the records it refuses (naming the
+trajectory)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The retention period of `rollout feed prune --older-than` (services/exporter/retention.py)."""
+"""The retention period of `rollout feed prune --older-than` (rollout_ledger/services/exporter/retention.py)."""
 
 from __future__ import annotations
 

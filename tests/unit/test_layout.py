@@ -1,7 +1,8 @@
-"""The layout shows the architecture, and stays that way: the import graph of the project's modules (read from the
-source with ``ast``, lazy imports inside functions included) has no cycles, ``shared/`` imports no service, a service
-imports no other service (the catalog is shared by all, the env library ``services/envs/`` by the services that run
-or read envs, and neither imports any service), the client package
+"""The layout shows the architecture, and stays that way: one package root, ``rollout_ledger/``, holds the contract
+(``shared/``), the services (``services/``), the migrations, the client package (``client/``) and the CLI (``cli/``).
+The import graph of its modules (read from the source with ``ast``, lazy imports inside functions included) has no
+cycles, ``shared/`` imports no service, a service imports no other service (the catalog is shared by all, the env
+library ``services/envs/`` by the services that run or read envs, and neither imports any service), the client package
 ``client/`` imports only itself and ``shared/`` (the exporter, which writes its feed to files, is the one service that
 imports it), only the CLI imports ``cli/``, and the agent endpoint's session speaks no wire protocol (its dialects are
 modules of their own, and the agent runtime is a room of its own beside the endpoint)."""
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = Path(__file__).resolve().parents[2] / "rollout_ledger"
 TOPS = ("cli", "client", "shared", "services", "migrations")
 SHARED_BETWEEN_SERVICES = {"catalog"}
 """Service areas any service may import."""
@@ -24,15 +25,26 @@ ENV_LIBRARY_USERS = {"env_worker", "envserver", "exporter"}
 tool calls with its parser (atif.py)."""
 
 
+def test_one_package_root_holds_the_project() -> None:
+    """``rollout_ledger/`` is a real package (the wheel's, mypy's and the tests' import root, no mapping of folders):
+    it holds the five top folders, each a package, and no Python package sits beside it at the repository's top."""
+    assert (PACKAGE / "__init__.py").is_file()
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(TOPS)
+    assert all((PACKAGE / top / "__init__.py").is_file() for top in TOPS)
+    beside = {p.name for p in PACKAGE.parent.iterdir() if (p / "__init__.py").is_file()}
+    assert beside <= {"rollout_ledger", "tests", "bench"}, beside
+
+
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return "rollout_ledger." + ".".join(parts)
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for top in TOPS for p in (ROOT / top).rglob("*.py")
+    return {_module_name(p): p for top in TOPS for p in (PACKAGE / top).rglob("*.py")
             if "versions" not in p.parts}
 
 

@@ -27,7 +27,7 @@ def test_library_records_are_json_lines_with_the_bound_context() -> None:
         logging.getLogger("uvicorn.error").error("uvicorn broke")
         logging.getLogger("vllm.engine").warning("vllm warns")
         logging.getLogger("httpx").info("below the library floor: not shown")
-        uvicorn.Config(app=None, log_config=None)  # a service's HTTP server, configured as shared/kit/runtime does
+        uvicorn.Config(app=None, log_config=None)  # as rollout_ledger/shared/kit/runtime does
         logging.getLogger("uvicorn.error").warning("still ours after uvicorn's config")
     """)
     events = {r["event"]: r for r in records}

@@ -1,5 +1,6 @@
-"""The NATS permission table (shared/nats_auth.py): every name of shared/subjects.py is granted to the service that
-needs it and to no other, nobody may forge advisories, and the k8s nats.conf carries exactly this table."""
+"""The NATS permission table (rollout_ledger/shared/nats_auth.py): every name of rollout_ledger/shared/subjects.py is
+granted to the service that needs it and to no other, nobody may forge advisories, and the k8s nats.conf carries
+exactly this table."""
 
 from __future__ import annotations
 
@@ -138,7 +139,8 @@ def test_every_bucket_has_its_writers_only() -> None:
                subjects.POLICY_BUCKET: {SCHEDULER}, subjects.POLICY_WORKERS_BUCKET: {INFERENCE_WORKER},
                subjects.POLICY_ENV_BUCKET: {ENV_WORKER}, subjects.LEASE_BUCKET: {ENV_WORKER},
                subjects.ENV_WORKERS_BUCKET: {ENV_WORKER}}
-    assert set(writers) == set(subjects.BUCKETS), "a new bucket needs its writers here and in shared/nats_auth.py"
+    assert set(writers) == set(subjects.BUCKETS), (
+        "a new bucket needs its writers here and in rollout_ledger/shared/nats_auth.py")
     for bucket, users in writers.items():
         assert publishers(f"$KV.{bucket}.some-key") == users, bucket
         # whoever writes a bucket can read it back (get and watch)

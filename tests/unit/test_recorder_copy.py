@@ -1,6 +1,6 @@
-"""The recorder's COPY declarations against the schema, and its dumpers (services/recorder/adapters.py) without a
-server: rows come out in the declared order, numpy-encoded arrays are byte for byte what psycopg writes for the
-same list, and values that do not fit their column raise ``EncodeError``."""
+"""The recorder's COPY declarations against the schema, and its dumpers (rollout_ledger/services/recorder/adapters.py)
+without a server: rows come out in the declared order, numpy-encoded arrays are byte for byte what psycopg writes for
+the same list, and values that do not fit their column raise ``EncodeError``."""
 
 from __future__ import annotations
 

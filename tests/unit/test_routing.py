@@ -1,6 +1,6 @@
-"""Env-aware routing, the pure parts: route tokens and consumer names (shared/subjects.py), adverts and routes of a
-worker's envs and the fair split of its free slots (services/env_worker/routing.py), and the scheduler's reading of
-adverts (services/scheduler/route_book.py) on an in-memory bucket."""
+"""Env-aware routing, the pure parts: route tokens and consumer names (rollout_ledger/shared/subjects.py), adverts and
+routes of a worker's envs and the fair split of its free slots (rollout_ledger/services/env_worker/routing.py), and the
+scheduler's reading of adverts (rollout_ledger/services/scheduler/route_book.py) on an in-memory bucket."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _spec(name: str, family: str = "") -> EnvSpec:
 
 
 FAMILY = [_spec("fam:alpha", "fam"), _spec("fam:beta", "fam"), _spec("fam:gamma.v2", "fam")]
-"""A fake parametrised family (the real ``rg`` one is registered by services/envs/reasoning_gym.py)."""
+"""A fake parametrised family (the real ``rg`` one is registered by rollout_ledger/services/envs/reasoning_gym.py)."""
 
 
 @pytest.mark.parametrize("route", ["arithmetic", "guess-number", "remote:echo", "openenv:echo_env", "rg",

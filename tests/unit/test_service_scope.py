@@ -1,6 +1,6 @@
-"""The one lifecycle of every service (shared/kit/service.py): ``run_main`` exits with the service's code, or 2 naming
-a bad setting; ``ServiceScope`` serves the ops routes while open and closes what the service registered in reverse
-order, after marking it draining."""
+"""The one lifecycle of every service (rollout_ledger/shared/kit/service.py): ``run_main`` exits with the service's
+code, or 2 naming a bad setting; ``ServiceScope`` serves the ops routes while open and closes what the service
+registered in reverse order, after marking it draining."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The slime adapter (``client/adapters/slime.py``) against slime's ``Sample`` contract at a pinned commit
-(``tests/unit/slime_contract.py``): every field it sets has slime's name and type, the lengths slime checks agree,
-statuses are ``Sample.Status`` members, multi-segment trajectories are nested as slime nests a rollout of several
+"""The slime adapter (``rollout_ledger/client/adapters/slime.py``) against slime's ``Sample`` contract at a pinned
+commit (``tests/unit/slime_contract.py``): every field it sets has slime's name and type, the lengths slime checks
+agree, statuses are ``Sample.Status`` members, multi-segment trajectories are nested as slime nests a rollout of several
 samples and pass slime's own nesting check; the rollout function submits the data source's prompts as one batch
 and returns exactly its groups; the post-write hook serves each version slime writes. The ledger is faked here
 (subclasses of ``LedgerClient`` and ``TrajectoryReader``); tests/integration/test_slime_adapter.py runs a real one."""

@@ -1,5 +1,6 @@
-"""The one stop loop of every service (shared/kit/runtime.py): ``ticks`` runs a duty at once, then every interval,
-and ends as soon as its ``Stop`` (a ``Shutdown`` or an ``asyncio.Event``) is set; ``sleep_or_stop`` is its pause."""
+"""The one stop loop of every service (rollout_ledger/shared/kit/runtime.py): ``ticks`` runs a duty at once, then every
+interval, and ends as soon as its ``Stop`` (a ``Shutdown`` or an ``asyncio.Event``) is set; ``sleep_or_stop`` is its
+pause."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Trace context in NATS headers (shared/kit/tracing.py) and the recorder's spans per batch (recorder/traces.py).
+"""Trace context in NATS headers (rollout_ledger/shared/kit/tracing.py) and the recorder's spans per batch
+(recorder/traces.py).
 
 Spans go to the SDK's in-memory exporter (the real SDK, synchronous export); messages are real ``nats.aio.msg.Msg``
 objects with the headers a producer would have sent, hostile ones included.

@@ -1,6 +1,6 @@
-"""The verl adapter's pure parts (client/adapters/verl.py), in the main venv without verl: settings and where each
-comes from, which ledger group and episode a verl row maps to, and a stored trajectory as verl's sample. verl's own
-code runs on them in tests/integration/test_verl_adapter.py (``.venv-verl``)."""
+"""The verl adapter's pure parts (rollout_ledger/client/adapters/verl.py), in the main venv without verl: settings and
+where each comes from, which ledger group and episode a verl row maps to, and a stored trajectory as verl's sample.
+verl's own code runs on them in tests/integration/test_verl_adapter.py (``.venv-verl``)."""
 
 from __future__ import annotations
 

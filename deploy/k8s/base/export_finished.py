@@ -1,8 +1,8 @@
 """The exporter CronJob's script: writes every batch whose episodes have all ended and that has no file yet.
 
 Mounted from the ConfigMap ``exporter-script`` and run as ``python /etc/rollout/export_finished.py OUT_DIR
-[FORMAT]`` with ``DATABASE_URL`` set; it calls the exporter (``services/exporter/export.py``) once per batch, so
-a rerun after a crash writes only what is missing (``export_batch`` renames a finished ``.partial`` file).
+[FORMAT]`` with ``DATABASE_URL`` set; it calls the exporter (``rollout_ledger/services/exporter/export.py``) once per
+batch, so a rerun after a crash writes only what is missing (``export_batch`` renames a finished ``.partial`` file).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKER_DIR = ROOT / "docker"
 TAGS_FILE = DOCKER_DIR / "images.env"
 MODEL_CONTEXT = ROOT / ".build" / "docker-model"

@@ -212,7 +212,7 @@ def _run_trainer(stack: DevStack, console: Console, script: Path, args: list[str
     return code, results
 
 
-RL_TRAINER = Path(__file__).resolve().parents[1] / "examples" / "grpo" / "train.py"
+RL_TRAINER = Path(__file__).resolve().parents[2] / "examples" / "grpo" / "train.py"
 """The trainer ``rollout demo --rl`` runs (a checkout's file: the example is not part of the installed package)."""
 
 _RL_COLUMNS = ("iteration", "version", "episodes", "mean_reward", "staleness", "gap_mean", "gap_max", "train_s",
@@ -252,7 +252,7 @@ def run_rl_demo(iterations: int = 6, num_tasks: int = 8, group_size: int = 4, co
     return 0 if ok else 1
 
 
-TRL_TRAINER = Path(__file__).resolve().parents[1] / "examples" / "trl" / "train.py"
+TRL_TRAINER = Path(__file__).resolve().parents[2] / "examples" / "trl" / "train.py"
 _TRL_COLUMNS = ("step", "batch_id", "mean_reward", "sampled_tokens", "sampled_by", "published", "wait_s", "serve_s",
                 "step_s")
 
