@@ -61,11 +61,14 @@ def previous_release(tmp_path: Path) -> str:
     pkg.mkdir(parents=True)
     for name in ("shared", "services", "migrations"):
         (pkg / name).symlink_to(src / name)
+    (pkg / "__init__.py").write_text("")  # a regular package: found before this checkout's rollout_ledger/
     return str(pkg.parent)
 
 
 def previous(service: str) -> tuple[str, ...]:
-    return (sys.executable, "-m", "rollout_ledger.services.cli", "serve", service)
+    """The previous release's service. ``-P``: the working directory (this checkout, whose ``rollout_ledger/`` is
+    this release) is not put before ``PYTHONPATH``."""
+    return (sys.executable, "-P", "-m", "rollout_ledger.services.cli", "serve", service)
 
 
 def test_previous_release_workers_beside_current_ones_lose_nothing(stack: Stack, database_url: str,
