@@ -5,7 +5,9 @@ The same task as examples/grpo (single-digit additions, env ``arithmetic``, rewa
 curves compare. Each optimizer step: the ledger generates ``--num-tasks`` groups of ``--group-size`` (on its
 inference workers, vLLM under ``make demo-trl``), TRL takes one step (its GRPO loss, with its importance-sampling
 correction against the ledger's stored logprobs unless ``--no-importance-sampling``), and the adapter's callback
-saves the weights, announces them as the next policy version and returns once every worker serves them.
+saves the weights, announces them as the next policy version and returns once every worker serves them. On a
+ledger that another run already trained (it serves a published version), the adapter first publishes the weights
+this script starts from (``--model``) as the next version, so step 1 is sampled by them.
 
 It prints one line per step (the batch, mean reward, sampled tokens, the version that sampled it, seconds) and
 writes them to ``--metrics-out`` (JSON lines). Against a running stack (``rollout up`` prints both URLs)::
@@ -100,7 +102,8 @@ class PrintSteps(TrainerCallback):  # type: ignore[misc]
             "mean_reward": step.get("mean_reward"), "sampled_tokens": step.get("sampled_tokens"),
             "sampled_by": self.ledger.version - 1 if self.ledger.max_staleness == 0 else None,
             "published": step.get("published"), "wait_s": step.get("wait_s"), "serve_s": step.get("serve_s"),
-            "step_s": round(time.monotonic() - self.began, 3), "episodes": step.get("episodes", [])}
+            "step_s": round(time.monotonic() - self.began, 3), "episodes": step.get("episodes", []),
+            "base_version": self.ledger.base_version, "synced": self.ledger.synced}
         self.began = time.monotonic()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
@@ -148,7 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_importance_sampling:
         ledger.correct_importance_sampling(trainer)
     print(f"TRL GRPOTrainer on the ledger: {args.steps} steps of {args.num_tasks} tasks x {args.group_size}, "
-          f"max_staleness {args.max_staleness}, starting from version {ledger.base_version}", flush=True)
+          f"max_staleness {args.max_staleness}, starting from version {ledger.base_version}"
+          + (f" (the ledger serves another run's weights: TRL's own are published as version "
+             f"{ledger.base_version + 1} before step 1)" if ledger.sync_start else ""), flush=True)
     try:
         trainer.train()
     finally:

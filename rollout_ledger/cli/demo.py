@@ -8,8 +8,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,8 +214,21 @@ def _run_trainer(stack: DevStack, console: Console, script: Path, args: list[str
     return code, results
 
 
-RL_TRAINER = Path(__file__).resolve().parents[2] / "examples" / "grpo" / "train.py"
-"""The trainer ``rollout demo --rl`` runs (a checkout's file: the example is not part of the installed package)."""
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+"""The checkout's examples (not part of the installed package): the trainers the demos run."""
+RL_TRAINER = EXAMPLES / "grpo" / "train.py"
+"""The trainer ``rollout demo --rl`` runs."""
+TRL_TRAINER = EXAMPLES / "trl" / "train.py"
+"""The trainer ``rollout demo --trl`` runs."""
+
+
+def _trainer_stack(stack: DevStack | None, engine: str, console: Console) -> AbstractContextManager[DevStack]:
+    """``stack`` as it is (it keeps running after the trainer), or a new one on ``engine`` (float32 for vLLM: the
+    trainer's recomputation and the engine then agree to ~1e-5), stopped after the trainer."""
+    if stack is not None:
+        return nullcontext(stack)
+    extra_env = {"ROLLOUT_VLLM_DTYPE": os.environ.get("ROLLOUT_VLLM_DTYPE", "float32")}
+    return DevStack(scheduler_port=None, engine=engine, echo=console.print, extra_env=extra_env)
 
 _RL_COLUMNS = ("iteration", "version", "episodes", "mean_reward", "staleness", "gap_mean", "gap_max", "train_s",
                "serve_s")
@@ -221,10 +236,11 @@ _RL_COLUMNS = ("iteration", "version", "episodes", "mean_reward", "staleness", "
 
 def run_rl_demo(iterations: int = 6, num_tasks: int = 8, group_size: int = 4, console: Console | None = None,
                 trainer_args: tuple[str, ...] = (),
-                inspect: Callable[[DevStack, list[dict[str, Any]]], None] | None = None) -> int:
-    """Start the stack on vLLM (float32: the trainer's recomputation and the engine then agree to ~1e-5) and run
-    ``iterations`` of the GRPO trainer against it, each on ``num_tasks`` x ``group_size`` episodes; 0 when every
-    iteration ran. ``inspect`` (tests) gets the stack and the iterations' metrics before everything stops."""
+                inspect: Callable[[DevStack, list[dict[str, Any]]], None] | None = None,
+                stack: DevStack | None = None) -> int:
+    """Start the stack on vLLM (or use ``stack``, running) and run ``iterations`` of the GRPO trainer against it,
+    each on ``num_tasks`` x ``group_size`` episodes; 0 when every iteration ran. The trainer starts from the version
+    the workers serve. ``inspect`` (tests) gets the stack and the iterations' metrics before a started stack stops."""
     console = _demo_console(console)
     if not RL_TRAINER.is_file():
         console.print(f"[red]the trainer example is not here ({RL_TRAINER}): run `rollout demo --rl` from a "
@@ -233,36 +249,36 @@ def run_rl_demo(iterations: int = 6, num_tasks: int = 8, group_size: int = 4, co
     t0 = time.monotonic()
     console.print(f"[bold]Rollout Ledger closed-loop demo[/bold] — GRPO on SmolLM2-135M-Instruct, trainer and vLLM "
                   f"on the CPU: {iterations} iterations of {num_tasks} single-digit additions x {group_size} samples")
-    extra_env = {"ROLLOUT_VLLM_DTYPE": os.environ.get("ROLLOUT_VLLM_DTYPE", "float32")}
     code = 1
-    with DevStack(scheduler_port=None, engine="vllm", echo=console.print, extra_env=extra_env) as stack:
-        console.print(f"services up in {time.monotonic() - t0:.1f}s\n{stack.describe().rsplit(chr(10), 1)[0]}")
+    with _trainer_stack(stack, "vllm", console) as running:
+        console.print(f"services up in {time.monotonic() - t0:.1f}s\n{running.describe().rsplit(chr(10), 1)[0]}")
         t_train = time.monotonic()
-        code, results = _run_trainer(stack, console, RL_TRAINER, [
-            "--out", str(stack.infra.root / "checkpoints"), "--iterations", str(iterations),
-            "--num-tasks", str(num_tasks), "--group-size", str(group_size), *trainer_args],
-            stack.infra.root / "grpo-metrics.jsonl")
+        out = Path(tempfile.mkdtemp(prefix="grpo-", dir=running.infra.root))
+        code, results = _run_trainer(running, console, RL_TRAINER, [
+            "--out", str(out / "checkpoints"), "--iterations", str(iterations),
+            "--num-tasks", str(num_tasks), "--group-size", str(group_size), *trainer_args], out / "metrics.jsonl")
         _print_rl_summary(console, results, time.monotonic() - t_train)
         if inspect is not None:
-            inspect(stack, results)
+            inspect(running, results)
     ok = code == 0 and len(results) == iterations
     verdict = "[green]ok[/green]" if ok else f"[red]the trainer stopped (exit {code})[/red]"
-    console.print(f"\n{len(results)}/{iterations} iterations: {verdict}; demo took {time.monotonic() - t0:.1f}s, "
-                  "everything stopped.")
+    console.print(f"\n{len(results)}/{iterations} iterations: {verdict}; demo took {time.monotonic() - t0:.1f}s"
+                  + (", everything stopped." if stack is None else "."))
     return 0 if ok else 1
 
 
-TRL_TRAINER = Path(__file__).resolve().parents[2] / "examples" / "trl" / "train.py"
 _TRL_COLUMNS = ("step", "batch_id", "mean_reward", "sampled_tokens", "sampled_by", "published", "wait_s", "serve_s",
                 "step_s")
 
 
 def run_trl_demo(steps: int = 6, num_tasks: int = 8, group_size: int = 4, console: Console | None = None,
                  trainer_args: tuple[str, ...] = (), engine: str = "vllm",
-                 inspect: Callable[[DevStack, list[dict[str, Any]]], None] | None = None) -> int:
-    """Start the stack (vLLM, float32) and train SmolLM2 with the real TRL ``GRPOTrainer`` fed by the ledger
-    (examples/trl/train.py, the client package's TRL adapter) for ``steps`` optimizer steps; prints the reward
-    per step; 0 when every step ran. ``inspect`` (tests) gets the stack and the steps before everything stops."""
+                 inspect: Callable[[DevStack, list[dict[str, Any]]], None] | None = None,
+                 stack: DevStack | None = None) -> int:
+    """Start the stack on ``engine`` (or use ``stack``, running) and train SmolLM2 with the real TRL
+    ``GRPOTrainer`` fed by the ledger (examples/trl/train.py, the client package's TRL adapter) for ``steps``
+    optimizer steps; prints the reward per step; 0 when every step ran. ``inspect`` (tests) gets the stack and the
+    steps before a started stack stops."""
     console = _demo_console(console)
     try:
         import trl  # noqa: F401
@@ -276,15 +292,15 @@ def run_trl_demo(steps: int = 6, num_tasks: int = 8, group_size: int = 4, consol
     t0 = time.monotonic()
     console.print(f"[bold]Rollout Ledger + TRL[/bold] — TRL's GRPOTrainer trains SmolLM2-135M-Instruct on the CPU "
                   f"from the ledger: {steps} steps of {num_tasks} single-digit additions x {group_size} samples")
-    extra_env = {"ROLLOUT_VLLM_DTYPE": os.environ.get("ROLLOUT_VLLM_DTYPE", "float32")}
     code = 1
     results: list[dict[str, Any]] = []
-    with DevStack(scheduler_port=None, engine=engine, echo=console.print, extra_env=extra_env) as stack:
-        console.print(f"services up in {time.monotonic() - t0:.1f}s\n{stack.describe().rsplit(chr(10), 1)[0]}")
+    with _trainer_stack(stack, engine, console) as running:
+        console.print(f"services up in {time.monotonic() - t0:.1f}s\n{running.describe().rsplit(chr(10), 1)[0]}")
         t_train = time.monotonic()
-        code, results = _run_trainer(stack, console, TRL_TRAINER, [
-            "--out", str(stack.infra.root / "trl"), "--steps", str(steps), "--num-tasks", str(num_tasks),
-            "--group-size", str(group_size), *trainer_args], stack.infra.root / "trl-metrics.jsonl")
+        out = Path(tempfile.mkdtemp(prefix="trl-", dir=running.infra.root))
+        code, results = _run_trainer(running, console, TRL_TRAINER, [
+            "--out", str(out), "--steps", str(steps), "--num-tasks", str(num_tasks),
+            "--group-size", str(group_size), *trainer_args], out / "metrics.jsonl")
         table = Table(title="TRL on the ledger (reward per step)")
         for col in _TRL_COLUMNS:
             table.add_column(col, justify="right")
@@ -294,11 +310,11 @@ def run_trl_demo(steps: int = 6, num_tasks: int = 8, group_size: int = 4, consol
         console.print(f"{time.monotonic() - t_train:.0f}s of training (generate on the ledger, read through the "
                       "consumer cursor, TRL's step, save, publish, every worker serving)")
         if inspect is not None:
-            inspect(stack, results)
+            inspect(running, results)
     ok = code == 0 and len(results) == steps
     verdict = "[green]ok[/green]" if ok else f"[red]the trainer stopped (exit {code})[/red]"
-    console.print(f"\n{len(results)}/{steps} steps: {verdict}; demo took {time.monotonic() - t0:.1f}s, everything "
-                  "stopped.")
+    console.print(f"\n{len(results)}/{steps} steps: {verdict}; demo took {time.monotonic() - t0:.1f}s"
+                  + (", everything stopped." if stack is None else "."))
     return 0 if ok else 1
 
 

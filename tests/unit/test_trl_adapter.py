@@ -1,7 +1,7 @@
 """The TRL adapter's pure parts: TRL's row layout from ``trl`` records (groups contiguous, members in order, a
 member without a trajectory as a placeholder that trains nothing), the task prompt, the refusal of multi-segment
 episodes, and the switch of TRL's importance-sampling correction onto the ledger. The real TRL training from a
-real ledger is tests/e2e/test_trl_vllm.py."""
+real ledger is tests/e2e/trainers/test_trl_vllm.py."""
 
 from __future__ import annotations
 

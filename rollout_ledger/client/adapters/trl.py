@@ -36,6 +36,13 @@ What maps to what:
 - **Versions.** ``callback()`` saves the weights after every optimizer step (safetensors, with the tokenizer and
   config) as version ``base + global_step`` and announces it (``POST /v1/policy/versions``), returning once every
   inference worker serves it: with ``max_staleness`` 0, step n+1 is sampled by step n's weights.
+- **The starting weights.** Step 1 must be sampled by the weights TRL starts from. Version 0 is the model the
+  workers started with, the one the trainer is expected to load. Once a trainer has published a version, the
+  workers serve that trainer's weights instead. So when the ledger serves a published version, the first
+  ``rollout_func`` call first saves TRL's model and announces it as the next version (``sync_start``, the note
+  says ``"sync": "start"``), and ``base`` is that version. This is TRL's own rule for its vLLM server (weights are
+  synced before the first generation), and it is what lets a run start on a ledger another run trained on.
+  ``sync_start=True`` always syncs, ``False`` never.
 - **Importance sampling.** TRL applies its mismatch correction only with ``use_vllm=True``, which on its own needs
   TRL's vLLM server and CUDA. ``correct_importance_sampling(trainer)`` switches TRL's correction on against the
   ledger instead: it sets ``use_vllm`` after construction and puts a backend whose ``sync_weights`` does nothing
@@ -167,8 +174,8 @@ def arrange(records: Sequence[dict[str, Any]], order: Sequence[tuple[str, Any, i
 
 
 class _LedgerBackend:
-    """Stands where TRL keeps its vLLM client, for the rollout_func path: the ledger generates, and versions are
-    published by the callback, so there is nothing to sync."""
+    """Stands where TRL keeps its vLLM client, for the rollout_func path: the ledger generates, the first call
+    syncs the starting weights and the callback publishes the rest, so there is nothing left to sync here."""
 
     def sync_weights(self) -> None:
         return None
@@ -182,7 +189,7 @@ class LedgerRollout:
                  sampling: dict[str, Any] | None = None, max_turns: int = 1, max_staleness: int = 0,
                  consumer: str | None = None, token: str | None = None, mode: str = "drain",
                  timeout_s: float = 900.0, keep_checkpoints: int = 2, run_id: str | None = None,
-                 batch_options: dict[str, Any] | None = None) -> None:
+                 batch_options: dict[str, Any] | None = None, sync_start: bool | None = None) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.run_id = run_id or uuid.uuid4().hex[:10]
@@ -201,8 +208,12 @@ class LedgerRollout:
         self.reader = TrajectoryReader(database_url, self.consumer, Selection(complete_groups=True), fmt="trl")
         current = (self.client.policy().get("current") or {}).get("version")
         self.base_version = int(current or 0)
-        """The version the run starts from; step s publishes ``base_version + s``."""
+        """The version the run starts from (the synced one, once synced); step s publishes ``base_version + s``."""
         self.version = self.base_version
+        self.sync_start = current is not None if sync_start is None else sync_start
+        """Whether the first call publishes the trainer's starting weights first (see the module docstring)."""
+        self.synced: int | None = None
+        """The version the starting weights were published as (None: not synced)."""
         self.calls = 0
         self.stream_batch: str | None = None
         self.steps: list[dict[str, Any]] = []
@@ -224,6 +235,8 @@ class LedgerRollout:
         eos = trainer.processing_class.eos_token_id if hasattr(trainer.processing_class, "eos_token_id") else None
         eos_id = int(eos if eos is not None else 0)
         began = time.monotonic()
+        if self.calls == 0 and self.sync_start:
+            self._sync_start(trainer)
         self.calls += 1
         if self.max_staleness == 0:
             rows, batch_id = self._on_policy(tasks, group_size, eos_id)
@@ -299,7 +312,17 @@ class LedgerRollout:
 
     def publish(self, model: Any, processing_class: Any, step: int) -> float:
         """Save the weights as version ``base_version + step`` and announce it; the seconds until it was served."""
-        version = self.base_version + step
+        return self._announce(model, processing_class, self.base_version + step, {"step": step})
+
+    def _sync_start(self, trainer: Any) -> None:
+        """Publish the weights TRL starts from as the next version, before anything is sampled for this run."""
+        accelerator = getattr(trainer, "accelerator", None)
+        model = accelerator.unwrap_model(trainer.model) if accelerator is not None else trainer.model
+        version = self.base_version + 1
+        self._announce(model, getattr(trainer, "processing_class", None), version, {"step": 0, "sync": "start"})
+        self.base_version = self.synced = version
+
+    def _announce(self, model: Any, processing_class: Any, version: int, notes: dict[str, Any]) -> float:
         final = self.checkpoint_dir / f"v{version}"
         partial = self.checkpoint_dir / f".v{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -311,7 +334,7 @@ class LedgerRollout:
         partial.rename(final)
         try:
             took = self.client.publish_version(version, final, mode=self.mode, timeout_s=self.timeout_s,
-                                               notes=json.dumps({"trainer": "trl", "run": self.run_id, "step": step}))
+                                               notes=json.dumps({"trainer": "trl", "run": self.run_id, **notes}))
         except SchedulerError as exc:
             raise TrlAdapterError(f"version {version}: {exc}") from exc
         self.version = version

@@ -1,12 +1,10 @@
-"""The closed loop on the real engine (issue 15, part 4): ``rollout demo --rl`` runs the GRPO trainer example
-(examples/grpo/train.py) against a stack of its own on vLLM for two small iterations, pipelined (one batch bounded
-at admission with max_staleness 0: the second iteration's episodes wait until every worker serves the version the
-trainer pushed). Versions advance 0 -> 1 -> 2 and every inference worker serves them, the second iteration's
-episodes carry version 1, the trainer wrote its audit rows, and its logprobs match vLLM's on the weights it pushed
-while the weights it started from do not: the engine really loaded the trainer's checkpoint (tied head included).
-
-The stack has NATS and Postgres of its own (private servers), never the session's: the e2e package's in-process
-vLLM worker follows the policy announcements on the session NATS and would load the trainer's checkpoints too.
+"""The closed loop on the real engine (issue 15, part 4): ``rollout demo --rl``'s GRPO trainer example
+(examples/grpo/train.py) runs on the trainers' stack on vLLM (conftest.py) for two small iterations, pipelined (one
+batch bounded at admission with max_staleness 0: the second iteration's episodes wait until every worker serves the
+version the trainer pushed). From the version v the workers served when it began, versions advance v -> v+1 -> v+2
+and every inference worker serves them, the second iteration's episodes carry v+1, the trainer wrote its audit rows,
+and its logprobs match vLLM's on the weights it pushed while the weights it started from do not: the engine really
+loaded the trainer's checkpoint (tied head included).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from rich.console import Console
 from examples.grpo.train import Trajectory, token_logprobs
 from rollout_ledger.client.source import libpq_url
 from rollout_ledger.services.exporter.audit import audit_batch, load_model, recompute
-from tests.e2e.conftest import require_vllm
+from tests.e2e.trainers.conftest import served_version
 
 if TYPE_CHECKING:
     from rollout_ledger.cli.stack.devstack import DevStack
@@ -39,7 +37,7 @@ loaded live. Before the worker extension re-packed the tied lm_head, the gap gre
 GAP_MAX_BOUND = 5e-4
 """Max |Δlogprob| over the same tokens (measured: up to 7e-5)."""
 WEIGHTS_MOVED = 10
-"""The same tokens against the weights the trainer started from (version 0) differ at least this many times more
+"""The same tokens against the weights the trainer started from (version v) differ at least this many times more
 than against the version that sampled them: the engine serves the pushed weights, not the old ones."""
 
 
@@ -69,86 +67,93 @@ def test_the_trainers_batched_recomputation_is_the_audits(model_dir: str) -> Non
         np.testing.assert_allclose(values.double().numpy(), reference, atol=1e-4)
 
 
-def test_two_grpo_iterations_train_through_the_ledger(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("trainer_env")
+def test_two_grpo_iterations_train_through_the_ledger(trainer_stack: DevStack, model_dir: str) -> None:
     from rollout_ledger.cli.demo import run_rl_demo
-    from rollout_ledger.cli.modelstore import fetch
 
-    require_vllm()
-    fetch(Path(model_dir), with_weights=True)
-    for name in ("NATS_URL", "DATABASE_URL"):  # private servers of its own (module docstring)
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("ROLLOUT_MODEL", model_dir)
+    v, started_from = served_version(trainer_stack)
+    started_from = started_from or model_dir  # the weights of version v: what the trainer starts from
     seen: dict[str, Any] = {}
 
     def inspect(stack: DevStack, results: list[dict[str, Any]]) -> None:
         seen["results"] = results
         seen["policy"] = httpx.get(f"{stack.scheduler_url}/v1/policy", timeout=30,
                                    headers={"Authorization": f"Bearer {stack.api_token}"}).json()
+        batches = sorted({r["batch_id"] for r in results})
         url = libpq_url(stack.infra.database_url)
         with psycopg.connect(url) as conn:
-            seen["versions"] = [r[0] for r in conn.execute("SELECT version FROM policy_versions ORDER BY 1")]
+            seen["versions"] = [r[0] for r in conn.execute(
+                "SELECT version FROM policy_versions WHERE version > %s ORDER BY 1", (v,))]
             seen["worker_states"] = conn.execute(
-                "SELECT version, worker_id, state FROM policy_worker_states ORDER BY 1, 2").fetchall()
+                "SELECT version, worker_id, state FROM policy_worker_states WHERE version > %s ORDER BY 1, 2",
+                (v,)).fetchall()
             seen["turn_versions"] = dict(conn.execute(
                 "SELECT e.admitted_version, array_agg(DISTINCT t.weight_version ORDER BY t.weight_version) "
-                "FROM turns t JOIN episodes e ON e.id = t.episode_id WHERE NOT t.superseded GROUP BY 1").fetchall())
+                "FROM turns t JOIN episodes e ON e.id = t.episode_id WHERE NOT t.superseded AND e.batch_id = ANY(%s) "
+                "GROUP BY 1", (batches,)).fetchall())
             seen["admitted"] = dict(conn.execute(
-                "SELECT admitted_version, count(*) FROM episodes GROUP BY 1").fetchall())
-            seen["batches"] = conn.execute("SELECT id, max_staleness, episodes_per_version FROM batches").fetchall()
+                "SELECT admitted_version, count(*) FROM episodes WHERE batch_id = ANY(%s) GROUP BY 1",
+                (batches,)).fetchall())
+            seen["batches"] = conn.execute(
+                "SELECT id, max_staleness, episodes_per_version FROM batches WHERE id = ANY(%s)", (batches,)).fetchall()
             seen["audits"] = conn.execute(
                 "SELECT batch_id, min_version, max_version, count(*), avg(mean_abs_delta), max(max_abs_delta) "
-                "FROM logprob_audits WHERE source = 'trainer' GROUP BY 1, 2, 3 ORDER BY 2").fetchall()
+                "FROM logprob_audits WHERE source = 'trainer' AND batch_id = ANY(%s) GROUP BY 1, 2, 3 ORDER BY 2",
+                (batches,)).fetchall()
             seen["audits_per_token"] = conn.execute(  # the rows that keep a logprob for every sampled token
                 "SELECT count(*) FROM logprob_audits a JOIN trajectories t ON t.episode_id = a.episode_id "
-                "AND t.attempt = a.attempt WHERE a.source = 'trainer' "
-                "AND cardinality(a.token_logprobs) = t.num_sampled_tokens").fetchone()[0]
+                "AND t.attempt = a.attempt WHERE a.source = 'trainer' AND a.batch_id = ANY(%s) "
+                "AND cardinality(a.token_logprobs) = t.num_sampled_tokens", (batches,)).fetchone()[0]
         if len(results) == 2:
-            # the second batch (sampled by version 1) against the weights of version 0
-            # (sample: the whole batch, both iterations: the audit takes only version 1's 16)
-            stale = audit_batch(stack.infra.database_url, results[1]["batch_id"], model_dir, sample=32, version=1)
-            seen["gap_to_v0"] = float(np.mean([r.mean_abs_delta for r in stale.rows])) if stale.rows else None
+            # the second batch (sampled by version v+1) against the weights the trainer started from (version v)
+            # (sample: the whole batch, both iterations: the audit takes only version v+1's 16)
+            stale = audit_batch(stack.infra.database_url, results[1]["batch_id"], started_from, sample=32,
+                                version=v + 1)
+            seen["gap_to_start"] = float(np.mean([r.mean_abs_delta for r in stale.rows])) if stale.rows else None
 
     console = Console(record=True, width=220, force_terminal=False)
     began = time.monotonic()
     code = run_rl_demo(iterations=2, num_tasks=4, group_size=4, console=console, inspect=inspect,
-                       trainer_args=("--max-staleness", "0"))
+                       trainer_args=("--max-staleness", "0"), stack=trainer_stack)
     out = console.export_text()
     print(out)
     print(f"closed loop: {time.monotonic() - began:.1f}s")
     assert code == 0, out
+    assert f"starting from policy version {v} " in out
     results = seen["results"]
-    assert [(r["version"], r["pushed_version"]) for r in results] == [(0, 1), (1, 2)]
+    assert [(r["version"], r["pushed_version"]) for r in results] == [(v, v + 1), (v + 1, v + 2)]
     assert [r["episodes"] for r in results] == [16, 16]
     # versions advance and every worker serves them
-    assert seen["versions"] == [1, 2]
+    assert seen["versions"] == [v + 1, v + 2]
     policy = seen["policy"]
-    assert policy["current"]["version"] == 2
-    assert policy["workers"] and all(w["serving"] == 2 for w in policy["workers"]), policy
-    states = {(v, s) for v, _, s in seen["worker_states"]}
-    assert (2, "serving") in states and ((1, "serving") in states or (1, "retired") in states), states
+    assert policy["current"]["version"] == v + 2
+    assert policy["workers"] and all(w["serving"] == v + 2 for w in policy["workers"]), policy
+    states = {(version, s) for version, _, s in seen["worker_states"]}
+    assert (v + 2, "serving") in states and ((v + 1, "serving") in states or (v + 1, "retired") in states), states
     # one batch bounded at admission (k = 0, one iteration's episodes per version): the first 16 episodes start at
-    # once on version 0, the next 16 wait until every worker serves version 1 (the trainer's first push)
+    # once on version v, the next 16 wait until every worker serves version v+1 (the trainer's first push)
     (batch,) = seen["batches"]
     assert batch[1:] == (0, 16) and {r["batch_id"] for r in results} == {batch[0]}
     assert "16 admitted now, 16 waiting for the trainer" in out
-    assert seen["admitted"] == {0: 16, 1: 16}
-    # every token of iteration 1 was generated by version 0, every token of iteration 2 by version 1
-    assert seen["turn_versions"] == {0: [0], 1: [1]}
-    assert [r["token_versions"] for r in results] == [[0], [1]]
+    assert seen["admitted"] == {v: 16, v + 1: 16}
+    # every token of iteration 1 was generated by version v, every token of iteration 2 by version v+1
+    assert seen["turn_versions"] == {v: [v], v + 1: [v + 1]}
+    assert [r["token_versions"] for r in results] == [[v], [v + 1]]
     assert [r["staleness"] for r in results] == [0, 0]
     # the trainer's audit rows: one per trajectory, on the version that sampled it (all of them: on-policy loop)
     audits = {(batch, lo, hi): (n, mean, worst) for batch, lo, hi, n, mean, worst in seen["audits"]}
     for r in results:
         assert r["on_policy"] == r["trajectories"] == 16, r
-    assert audits[(batch[0], 0, 0)][0] == audits[(batch[0], 1, 1)][0] == 16
+    assert audits[(batch[0], v, v)][0] == audits[(batch[0], v + 1, v + 1)][0] == 16
     assert seen["audits_per_token"] == 32  # each keeps its recomputed logprobs, one per sampled token
-    # the trainer-vs-vLLM gap on version 1, which vLLM loaded live from the trainer's checkpoint
-    on_v1 = results[1]
-    assert on_v1["gap_mean"] < GAP_MEAN_BOUND, on_v1
-    assert on_v1["gap_max"] < GAP_MAX_BOUND, on_v1
-    # ... while the weights of version 0 are far from what sampled iteration 2: the engine loaded new weights
-    assert seen["gap_to_v0"] is not None
-    print(f"iteration 2 (version 1): mean |Δlogprob| {on_v1['gap_mean']:.1e} against the trainer's version 1, "
-          f"{seen['gap_to_v0']:.1e} against version 0")
-    assert seen["gap_to_v0"] > WEIGHTS_MOVED * on_v1["gap_mean"], (seen["gap_to_v0"], on_v1["gap_mean"])
+    # the trainer-vs-vLLM gap on version v+1, which vLLM loaded live from the trainer's checkpoint
+    on_next = results[1]
+    assert on_next["gap_mean"] < GAP_MEAN_BOUND, on_next
+    assert on_next["gap_max"] < GAP_MAX_BOUND, on_next
+    # ... while the weights the trainer started from are far from what sampled iteration 2: the engine loaded new
+    # weights
+    assert seen["gap_to_start"] is not None
+    print(f"iteration 2 (version {v + 1}): mean |Δlogprob| {on_next['gap_mean']:.1e} against the trainer's version "
+          f"{v + 1}, {seen['gap_to_start']:.1e} against version {v}")
+    assert seen["gap_to_start"] > WEIGHTS_MOVED * on_next["gap_mean"], (seen["gap_to_start"], on_next["gap_mean"])
     assert "2/2 iterations: ok" in out
