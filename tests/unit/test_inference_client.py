@@ -50,8 +50,10 @@ class Responder:
     RL_EVENTS, as a worker does before replying, and the reply never arrives: a NATS restart in between)."""
 
     def __init__(self, nc: bus.NATS, worker_id: str, mode: str = "reply", capacity: int = 8,
-                 join_any: bool = False, pool: str | None = None) -> None:
+                 join_any: bool = False, pool: str | None = None, takes_resent: bool = False) -> None:
         self.nc, self.worker_id, self.mode, self.capacity, self.join_any = nc, worker_id, mode, capacity, join_any
+        self.takes_resent = takes_resent
+        """Says so in its heartbeats (as inference workers of this release do)."""
         self.pool = pool
         """A model pool's worker: it takes that pool's queue group only, and sends no heartbeat."""
         self.requests: list[InferenceRequested] = []
@@ -79,7 +81,7 @@ class Responder:
         await self.nc.publish(INFER_HEARTBEAT, dumps({
             "worker_id": self.worker_id, "subject": infer_worker_subject(self.worker_id), "inflight": self.inflight,
             "capacity": self.capacity, "weight_version": 0, "engine": "test", "draining": self.draining,
-            "time": time.time(), "every_s": BEAT_S}))
+            "time": time.time(), "every_s": BEAT_S, **({"takes_resent": True} if self.takes_resent else {})}))
 
     async def _beat_forever(self) -> None:
         while True:
@@ -100,6 +102,9 @@ class Responder:
         req = decode_as(msg.data, InferenceRequested)
         self.requests.append(req)
         if self.mode == "silent":
+            return
+        if self.mode == "lost_request":  # died with the server: never seen; a copy sent again is served
+            self.mode = "reply"
             return
         await self.serve(req, msg.reply)
 
@@ -359,4 +364,41 @@ async def test_a_turn_stored_after_the_restart_is_read_back_too(nc: bus.NATS, cl
     assert await asyncio.wait_for(recovery, 5) == 1
     turn = await asyncio.wait_for(pending, 5)
     assert turn.request_id == "b.0.0:a1:t8:r1" and client.retries == []
+    await worker.stop()
+
+
+async def test_a_request_lost_in_a_nats_restart_is_sent_again_not_left_to_time_out(nc: bus.NATS,
+                                                                                   client: InferenceClient) -> None:
+    """A request that died with the server: no turn is stored for it, so the recovery sends the same request (id and
+    reply subject) again to its worker, which joins copies of what it took; the try is answered by the copy, with no
+    new try and long before its 5 s timeout."""
+    worker = await Responder(nc, "w-drop", mode="lost_request", takes_resent=True).start()
+    await until(lambda: "w-drop" in client.workers and client.workers["w-drop"].takes_resent, 5.0)
+    since = time.time()
+    began = time.monotonic()
+    pending = asyncio.create_task(client.generate(request_builder(turn=9)))
+    await until(lambda: len(worker.requests) == 1, 5.0)
+    with capture_logs() as logs:
+        assert await client.recovery.recover(since, grace_s=0.0) == 0  # nothing on RL_EVENTS for it
+    turn = await asyncio.wait_for(pending, 5)
+    assert turn.request_id == "b.0.0:a1:t9:r1" and client.retries == []
+    assert [r.request_id for r in worker.requests] == ["b.0.0:a1:t9:r1"] * 2  # the same request, once more
+    assert time.monotonic() - began < 5.0
+    assert [e["resent"] for e in logs if e["event"] == "inference.resent_requests"] == [1]
+    await worker.stop()
+
+
+async def test_a_worker_of_an_earlier_release_gets_no_copy(nc: bus.NATS, client: InferenceClient) -> None:
+    """A worker whose heartbeats do not say ``takes_resent`` would generate a copy again: the try waits for its turn
+    on RL_EVENTS (or its timeout) as before, and nothing is sent twice."""
+    worker = await Responder(nc, "w-old", mode="lost_reply").start()
+    await until(lambda: "w-old" in client.workers, 5.0)
+    assert client.workers["w-old"].takes_resent is False
+    since = time.time()
+    pending = asyncio.create_task(client.generate(request_builder(turn=10)))
+    await until(lambda: len(worker.requests) == 1, 5.0)
+    assert await client.requests.resend(list(client.requests.by_request)) == 0
+    assert await client.recovery.recover(since, grace_s=0.0) == 1
+    assert (await asyncio.wait_for(pending, 5)).request_id == "b.0.0:a1:t10:r1"
+    assert len(worker.requests) == 1
     await worker.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from nats.aio.client import Client as NATS
@@ -37,6 +38,17 @@ class TurnSource(Protocol):
         """The turn for the request ``build(try_number)``, preferring the worker ``prefer`` (or from the model pool
         ``pool``)."""
         ...
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One try as it was sent to a known worker."""
+
+    worker_id: str
+    subject: str
+    payload: bytes
+    reply: str
+    headers: dict[str, str] | None
 
 
 class TryFailed(InferenceError):
@@ -67,6 +79,8 @@ class TurnRequests:
         """Tries sent to ``INFER_ANY``: whoever took them is unknown, so any worker's death fails them over."""
         self.by_request: dict[str, asyncio.Future[Msg]] = {}
         """Tries waiting for their reply, by request id (= the turn's event id on RL_EVENTS)."""
+        self.sent: dict[str, Sent] = {}
+        """What each try waiting on a known worker sent, by request id (``resend``)."""
 
     async def start(self) -> None:
         await self._inbox.start()
@@ -89,21 +103,24 @@ class TurnRequests:
                            request_id: str = "") -> Msg:
         """One try: publish the request and wait for its reply, the worker's loss, or the timeout (``expire``)."""
         token, reply, fut = self._inbox.open(subject)
+        headers: dict[str, str] | None = self.tracing.inject({}) if self.tracing.enabled else None
         if request_id:
             self.by_request[request_id] = fut
+            if worker is not None:
+                self.sent[request_id] = Sent(worker.worker_id, subject, payload, reply, headers)
         if worker is not None:
             worker.waiting.add(fut)
             worker.local_inflight += 1
         else:
             self.waiting_any.add(fut)
         try:
-            headers: dict[str, str] | None = self.tracing.inject({}) if self.tracing.enabled else None
             await self.nc.publish(subject, payload, reply=reply, headers=headers)
             return await fut
         finally:
             self._inbox.close(token)
             if request_id:
                 self.by_request.pop(request_id, None)
+                self.sent.pop(request_id, None)
             if worker is not None:
                 worker.waiting.discard(fut)
                 worker.local_inflight -= 1
@@ -155,6 +172,28 @@ class TurnRequests:
             return turn
         where = f" of model pool {pool!r}" if pool is not None else ""
         raise InferenceError(f"no turn{where} after {self.max_tries} tries: {last}", retryable=True)
+
+    async def resend(self, request_ids: Iterable[str]) -> int:
+        """Send the tries of ``request_ids`` still waiting again, as they were sent (same id, same reply subject),
+        to workers that join such a copy to the request they took (``WorkerState.takes_resent``); the number sent.
+
+        After a NATS restart a request may have died with the server: its worker never saw it and its reply would
+        only come as the try's timeout. A copy is generated where the worker never took the request, and joined to
+        it where it did (in flight: the reply, to the same subject, is then let through on the worker's new
+        connection; answered: the turn is read back from RL_EVENTS), so nothing is generated twice."""
+        count = 0
+        for request_id in request_ids:
+            sent = self.sent.get(request_id)
+            fut = self.by_request.get(request_id)
+            if sent is None or fut is None or fut.done():
+                continue
+            worker = self.table.workers.get(sent.worker_id)
+            if worker is None or not worker.takes_resent:
+                continue
+            with best_effort("send a turn request again"):
+                await self.nc.publish(sent.subject, sent.payload, reply=sent.reply, headers=sent.headers)
+                count += 1
+        return count
 
     async def cancel(self, request_id: str) -> None:
         """Tell whichever worker runs ``request_id`` to abort it (one that does not run it ignores this)."""

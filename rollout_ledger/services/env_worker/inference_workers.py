@@ -44,6 +44,9 @@ class WorkerState:
     """The worker's NATS reconnects, as its last heartbeat reported them."""
     seen_at: float = 0.0
     """Wall time of its last heartbeat."""
+    takes_resent: bool = False
+    """The worker joins a request sent again (same id) to the one it took (heartbeat ``takes_resent``; workers of
+    earlier releases would generate it again): a recovery may send it the tries a NATS restart may have lost."""
 
     @property
     def load(self) -> int:
@@ -108,6 +111,7 @@ class WorkerTable:
         state.draining = bool(hb.get("draining", False))
         state.weight_version = _int(hb.get("weight_version"), 0) if hb.get("weight_version") is not None else None
         state.engine = str(hb.get("engine", ""))
+        state.takes_resent = hb.get("takes_resent") is True
         state.last_seen = now
         reconnects = _int(hb.get("reconnects"), 0)
         reconnected_since: float | None = None

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 OUTCOMES = ("ok", "bad_request", "newer_contract", "overloaded", "aborted", "engine_error", "bus_error",
-            "internal_error")
+            "internal_error", "resent")
 """Values of the ``outcome`` label of ``rollout_inference_requests_total``."""
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,45 @@ class WorkerIdentity:
         return f"inference-worker/{self.worker_id}"
 
 
+TAKEN_MEMORY_S = 900.0
+"""How long a request id this worker took (in flight or answered) is remembered: a requester that lost track of its
+request in a NATS restart sends it again (same id, same reply subject) within its heartbeat timeout of the restart,
+and such a copy must not be generated a second time (``TakenRequests``)."""
+
+
+class TakenRequests:
+    """The request ids this worker took (in flight or answered) in the last ``TAKEN_MEMORY_S``, oldest first."""
+
+    def __init__(self, memory_s: float = TAKEN_MEMORY_S) -> None:
+        self.memory_s = memory_s
+        self._at: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._at
+
+    def take(self, request_id: str, now: float | None = None) -> bool:
+        """Whether ``request_id`` is new (then it is remembered from ``now``, monotonic seconds); False for a copy of
+        a request in flight or answered: its turn is generated once, and its reply, sent to the reply subject both
+        copies carry, is let through by the copy's arrival on this connection."""
+        now = time.monotonic() if now is None else now
+        while self._at:
+            oldest, at = next(iter(self._at.items()))
+            if now - at <= self.memory_s:
+                break
+            del self._at[oldest]
+        if request_id in self._at:
+            return False
+        self._at[request_id] = now
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """The request was answered with an error: a copy sent again is a request of its own."""
+        self._at.pop(request_id, None)
+
+
 def request_log(request: InferenceRequested) -> Any:
     """A logger bound to the request's episode and batch (built only when there is something to log)."""
     return log.bind(episode_id=request.episode_id, batch_id=request.batch_id, request_id=request.request_id)
@@ -132,6 +172,8 @@ class InferenceServer:
         self._active: set[str] = set()
         self._generating_since: dict[str, float] = {}
         """Request id -> when its current generation entered the engine (monotonic)."""
+        self.taken = TakenRequests()
+        """The request ids in flight or answered: a copy sent again is joined, not generated twice."""
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         metrics.oldest_generation.set_function(self.oldest_generation_s)
@@ -175,6 +217,9 @@ class InferenceServer:
             # a reconnect (to another node of a cluster) makes that node refuse replies to requests taken before:
             # requesters look their turns up on RL_EVENTS instead (env_worker/inference_client.py)
             "reconnects": int(self.nc.stats.get("reconnects", 0)),
+            # a request sent again with the same id joins the one in flight or answered: requesters may send the
+            # requests a NATS restart may have lost again instead of waiting for their timeout (inference_recovery)
+            "takes_resent": True,
         }
 
     async def heartbeat(self) -> None:
@@ -220,6 +265,9 @@ class InferenceServer:
             log.warning("inference.no_reply_subject", subject=msg.subject)
             return
         if len(self._tasks) >= self.identity.max_inflight:
+            if self._copy_of_taken(msg):  # its generation is one of those in flight: no error reply to fail it
+                self.metrics.outcome["resent"].inc()
+                return
             self.metrics.outcome["overloaded"].inc()
             await self._reply_error(msg, OVERLOADED, True, f"worker {self.identity.worker_id} is at capacity")
             return
@@ -227,6 +275,13 @@ class InferenceServer:
         self._tasks.add(task)
         self.metrics.inflight.set(len(self._tasks))
         task.add_done_callback(self._done)
+
+    def _copy_of_taken(self, msg: Msg) -> bool:
+        """Whether ``msg`` is a copy of a request this worker took (read only when it is at capacity)."""
+        try:
+            return decode_as(msg.data, InferenceRequested).request_id in self.taken
+        except SchemaError:  # not a request this code reads: refused as overloaded, as any request would be
+            return False
 
     async def _on_cancel(self, msg: Msg) -> None:
         """The requester stopped waiting for a request (a deadline): abort it if it runs here."""
@@ -280,23 +335,32 @@ class InferenceServer:
             log.exception("inference.decode_failed")
             await self._reply_error(msg, type(exc).__name__, False, str(exc))
             return
+        if not self.taken.take(request.request_id):
+            self.metrics.outcome["resent"].inc()
+            request_log(request).info("inference.resent_request_joined")
+            return
+        answered = False
         try:
             parent = self.tracing.extract(msg.headers)
             if parent is None:
-                await self._generate_and_publish(msg, request, received)
+                answered = await self._generate_and_publish(msg, request, received)
                 return
             with self.tracing.span("generation", parent=parent, kind=SpanKind.SERVER, attributes={
                     "rollout.request_id": request.request_id, "rollout.episode_id": request.episode_id,
                     "rollout.turn_index": request.turn_index, "rollout.worker_id": self.identity.worker_id,
                     "gen_ai.system": self.engine.name, "gen_ai.request.max_tokens": request.max_tokens,
                     "gen_ai.usage.input_tokens": int(request.prompt_token_ids.shape[0])}):
-                await self._generate_and_publish(msg, request, received)
+                answered = await self._generate_and_publish(msg, request, received)
         except Exception as exc:  # the last line of defence: answer, never crash the worker
             self.metrics.outcome["internal_error"].inc()
             request_log(request).exception("inference.internal_error")
             await self._reply_error(msg, type(exc).__name__, False, str(exc))
+        finally:
+            if not answered:  # an error reply: a copy sent again is a request of its own
+                self.taken.forget(request.request_id)
 
-    async def _generate_and_publish(self, msg: Msg, request: InferenceRequested, received: float) -> None:
+    async def _generate_and_publish(self, msg: Msg, request: InferenceRequested, received: float) -> bool:
+        """Generate the turn, store it and reply with it: True; False when the reply was an error."""
         metrics = self.metrics
         reconnects = self._reconnects()  # this connection received the request: only it may answer it
         piece: Generation | None = None
@@ -317,7 +381,7 @@ class InferenceServer:
                 metrics.outcome["engine_error"].inc()
                 request_log(request).warning("inference.engine_error", error=str(exc), retryable=exc.retryable)
                 await self._reply_error(msg, type(exc).__name__, exc.retryable, str(exc))
-                return
+                return False
             finally:
                 self._active.discard(request.request_id)
                 self._generating_since.pop(request.request_id, None)
@@ -343,7 +407,7 @@ class InferenceServer:
             await self._reply_error(msg, InferenceError.__name__, True,
                                     f"request {request.request_id} aborted by worker {self.identity.worker_id} "
                                     "(draining, or its requester cancelled it)")
-            return
+            return False
         generation = kept.generation(piece)
         version = kept.runs[0][1]
         prompt_len = int(request.prompt_token_ids.shape[0])
@@ -379,8 +443,9 @@ class InferenceServer:
             metrics.outcome["bus_error"].inc()
             request_log(request).warning("inference.publish_failed", error=str(exc))
             await self._reply_error(msg, type(exc).__name__, True, str(exc))
-            return
-        await self.nc.publish(msg.reply, data)
+            return False
+        with bus.best_effort("reply with the turn"):  # stored: a lost reply is read back from RL_EVENTS
+            await self.nc.publish(msg.reply, data)
         metrics.outcome["ok"].inc()
         metrics.prompt_tokens.inc(prompt_len)
         metrics.generated_tokens.inc(int(generation.token_ids.shape[0]))
@@ -388,6 +453,7 @@ class InferenceServer:
             metrics.cached_tokens.inc(generation.cached_tokens)
         metrics.queue_seconds.observe(started - received)
         metrics.generate_seconds.observe(finished - started)
+        return True
 
 
 class _Kept:

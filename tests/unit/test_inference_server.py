@@ -1,0 +1,131 @@
+"""The inference worker's server against real NATS (the fake engine): a request sent again with the same id (a
+requester's recovery after a NATS restart) joins the one the worker took, in flight or answered, and is never
+generated twice; one whose first copy ended in an error reply is a request of its own again; heartbeats say so."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from nats.aio.msg import Msg
+
+from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
+from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
+from rollout_ledger.services.inference_worker.server import InferenceServer, TakenRequests, WorkerIdentity
+from rollout_ledger.shared.events import InferenceRequested, SamplingParams, TurnGenerated, decode_as, encode
+from rollout_ledger.shared.kit import bus
+from rollout_ledger.shared.subjects import ERROR_HEADER, INFER_CANCEL, infer_worker_subject
+from tests.helpers import until
+
+DELAY_S = 3.0
+"""Each generation of the fake engine: the copy below arrives while the first is generated."""
+
+
+def request(rid: str, max_tokens: int = 8) -> InferenceRequested:
+    return InferenceRequested(event_id=rid, episode_id="b.0.0", batch_id="b", attempt=1, seq=1, produced_by="test",
+                              request_id=rid, turn_index=0, prompt_token_ids=np.arange(10, dtype=np.int32),
+                              sampling=SamplingParams(), max_tokens=max_tokens, reply_seq=1)
+
+
+@pytest.fixture
+async def served(nc: bus.NATS, model_dir: str) -> Any:
+    engine = FakeEngine(model_dir, delay_s=DELAY_S)
+    metrics = InferenceMetrics.create()
+    srv = InferenceServer(nc, engine, WorkerIdentity("w-resend", 0, 8, 60.0), metrics)
+    await srv.start()
+    yield srv, metrics
+    await srv.drain(5)
+
+
+def count(metrics: InferenceMetrics, outcome: str) -> float:
+    return float(metrics.outcome[outcome]._value.get())
+
+
+async def test_a_copy_of_a_request_in_flight_or_answered_is_not_generated_again(nc: bus.NATS, served: Any) -> None:
+    srv, metrics = served
+    assert srv.heartbeat_payload()["takes_resent"] is True
+    replies: list[Msg] = []
+    inbox = nc.new_inbox()
+    async def got(m: Msg) -> None:
+        replies.append(m)
+
+    sub = await nc.subscribe(inbox, cb=got)
+    subject = infer_worker_subject("w-resend")
+    data = encode(request("b.0.0:a1:t0:r1"))
+    await nc.publish(subject, data, reply=inbox)
+    await until(lambda: srv.inflight == 1, 5.0)
+    await nc.publish(subject, data, reply=inbox)  # the recovery's copy, while the first is generated
+    await until(lambda: count(metrics, "resent") == 1, 5.0)
+    assert count(metrics, "ok") == 0 and srv.inflight == 1  # joined to the generation in flight
+    await until(lambda: count(metrics, "ok") == 1, 2 * DELAY_S + 5.0)
+    await nc.flush()
+    await until(lambda: len(replies) == 1, 5.0)
+    assert decode_as(replies[0].data, TurnGenerated).request_id == "b.0.0:a1:t0:r1"
+    # answered already: a later copy is joined too (its turn is on RL_EVENTS), nothing generated or replied
+    await nc.publish(subject, data, reply=inbox)
+    await until(lambda: count(metrics, "resent") == 2, 5.0)
+    await asyncio.sleep(0)
+    assert count(metrics, "ok") == 1 and srv.inflight == 0
+    await sub.unsubscribe()
+
+
+async def test_a_request_answered_with_an_error_is_taken_again(nc: bus.NATS, served: Any) -> None:
+    srv, metrics = served
+    replies: list[Msg] = []
+    inbox = nc.new_inbox()
+    async def got(m: Msg) -> None:
+        replies.append(m)
+
+    sub = await nc.subscribe(inbox, cb=got)
+    subject = infer_worker_subject("w-resend")
+    data = encode(request("b.0.0:a1:t1:r1"))
+    await nc.publish(subject, data, reply=inbox)
+    await until(lambda: srv.inflight == 1 and "b.0.0:a1:t1:r1" in srv._active, 5.0)
+    await nc.publish(INFER_CANCEL, b"b.0.0:a1:t1:r1")  # aborted: answered with a (retryable) error
+    await until(lambda: len(replies) == 1, 5.0)
+    assert (replies[0].headers or {}).get(ERROR_HEADER) == "InferenceError"
+    await nc.publish(subject, data, reply=inbox)  # the same id again: generated this time
+    await until(lambda: len(replies) == 2, 2 * DELAY_S + 5.0)
+    assert decode_as(replies[1].data, TurnGenerated).request_id == "b.0.0:a1:t1:r1"
+    assert count(metrics, "resent") == 0 and count(metrics, "aborted") == 1 and count(metrics, "ok") == 1
+    await sub.unsubscribe()
+
+
+async def test_a_copy_at_capacity_is_joined_not_refused(nc: bus.NATS, model_dir: str) -> None:
+    """A worker at capacity refuses new requests as overloaded (the requester tries another worker), but a copy of
+    one of its own generations is joined: an error reply would fail the try and the turn would be generated twice."""
+    metrics = InferenceMetrics.create()
+    srv = InferenceServer(nc, FakeEngine(model_dir, delay_s=DELAY_S), WorkerIdentity("w-full", 0, 1, 60.0), metrics)
+    await srv.start()
+    replies: list[Msg] = []
+
+    async def got(m: Msg) -> None:
+        replies.append(m)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=got)
+    try:
+        subject = infer_worker_subject("w-full")
+        await nc.publish(subject, encode(request("b.0.0:a1:t2:r1")), reply=inbox)
+        await until(lambda: srv.inflight == 1, 5.0)
+        await nc.publish(subject, encode(request("b.0.0:a1:t2:r1")), reply=inbox)  # a copy: joined
+        await nc.publish(subject, encode(request("b.0.1:a1:t0:r1")), reply=inbox)  # another request: refused
+        await until(lambda: len(replies) == 1, 5.0)
+        assert (replies[0].headers or {}).get(ERROR_HEADER) == "Overloaded"
+        assert count(metrics, "resent") == 1 and count(metrics, "overloaded") == 1 and count(metrics, "ok") == 0
+        await until(lambda: len(replies) == 2, 2 * DELAY_S + 5.0)
+        assert decode_as(replies[1].data, TurnGenerated).request_id == "b.0.0:a1:t2:r1"
+    finally:
+        await sub.unsubscribe()
+        await srv.drain(5)
+
+
+def test_taken_ids_are_forgotten_after_the_memory() -> None:
+    taken = TakenRequests(memory_s=900.0)
+    assert taken.take("a", now=1000.0) and not taken.take("a", now=1000.0)
+    assert taken.take("b", now=1900.0) and not taken.take("a", now=1900.0)  # exactly as old as the memory: kept
+    assert taken.take("a", now=1900.001) and not taken.take("b", now=1900.001) and len(taken) == 2
+    taken.forget("b")
+    assert taken.take("b", now=1900.002)
