@@ -44,7 +44,7 @@ from rollout_ledger.shared.subjects import (
 from tests.helpers import until
 
 HEARTBEAT_FIELDS = {"worker_id", "subject", "inflight", "capacity", "weight_version", "engine", "draining", "swapping",
-                    "time", "every_s", "reconnects"}
+                    "time", "every_s", "reconnects", "takes_resent"}
 
 
 class Heartbeats:
@@ -179,6 +179,7 @@ async def test_heartbeats(nc: bus.NATS, nats_url: str, model_dir: str, heartbeat
     assert first["inflight"] == 0 and first["draining"] is False and first["swapping"] is False
     assert abs(first["time"] - time.time()) < 30
     assert first["every_s"] == settings.heartbeat_s  # so an env worker can tell a timeout too close to it
+    assert first["takes_resent"] is True  # a request sent again after a NATS restart is joined, not generated again
     assert beats[-1]["draining"] is True  # announced on shutdown
 
 

@@ -124,8 +124,19 @@ async def test_a_copy_at_capacity_is_joined_not_refused(nc: bus.NATS, model_dir:
 
 def test_taken_ids_are_forgotten_after_the_memory() -> None:
     taken = TakenRequests(memory_s=900.0)
-    assert taken.take("a", now=1000.0) and not taken.take("a", now=1000.0)
-    assert taken.take("b", now=1900.0) and not taken.take("a", now=1900.0)  # exactly as old as the memory: kept
-    assert taken.take("a", now=1900.001) and not taken.take("b", now=1900.001) and len(taken) == 2
+    assert taken.take("a", "inbox.1", now=1000.0) and not taken.take("a", "inbox.1", now=1000.0)
+    assert taken.take("b", "inbox.2", now=1900.0)
+    assert not taken.take("a", "inbox.1", now=1900.0)  # exactly as old as the memory: still a copy
+    assert taken.take("a", "inbox.1", now=1900.001) and not taken.take("b", "inbox.2", now=1900.001)
+    assert len(taken) == 2
     taken.forget("b")
-    assert taken.take("b", now=1900.002)
+    assert taken.take("b", "inbox.2", now=1900.002)
+
+
+def test_the_same_id_to_another_reply_subject_is_not_a_copy() -> None:
+    """Another requester (or a retry of its own with a new inbox) asking with an id taken here is served: only the
+    recovery's copy carries the reply subject of the request taken."""
+    taken = TakenRequests()
+    assert taken.take("a", "inbox.1", now=0.0)
+    assert taken.is_copy("a", "inbox.1") and not taken.is_copy("a", "inbox.2")
+    assert taken.take("a", "inbox.2", now=1.0) and taken.is_copy("a", "inbox.2")

@@ -115,31 +115,37 @@ and such a copy must not be generated a second time (``TakenRequests``)."""
 
 
 class TakenRequests:
-    """The request ids this worker took (in flight or answered) in the last ``TAKEN_MEMORY_S``, oldest first."""
+    """The requests this worker took (in flight or answered) in the last ``TAKEN_MEMORY_S``, by id with their reply
+    subject, oldest first."""
 
     def __init__(self, memory_s: float = TAKEN_MEMORY_S) -> None:
         self.memory_s = memory_s
-        self._at: OrderedDict[str, float] = OrderedDict()
+        self._at: OrderedDict[str, tuple[float, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._at)
 
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._at
+    def is_copy(self, request_id: str, reply: str) -> bool:
+        """Whether a request ``request_id`` with reply subject ``reply`` is a copy of one taken: the same request sent
+        again by its requester's recovery, to the same reply subject. Another requester asking with the same id (its
+        own reply subject) is served as a request of its own (the turn is stored once: the stream deduplicates it)."""
+        taken = self._at.get(request_id)
+        return taken is not None and taken[1] == reply
 
-    def take(self, request_id: str, now: float | None = None) -> bool:
-        """Whether ``request_id`` is new (then it is remembered from ``now``, monotonic seconds); False for a copy of
-        a request in flight or answered: its turn is generated once, and its reply, sent to the reply subject both
-        copies carry, is let through by the copy's arrival on this connection."""
+    def take(self, request_id: str, reply: str, now: float | None = None) -> bool:
+        """Whether the request is to be served (then it is remembered from ``now``, monotonic seconds); False for a
+        copy (``is_copy``) of a request in flight or answered: its turn is generated once, and its reply, to the
+        subject both copies carry, is let through by the copy's arrival on this connection."""
         now = time.monotonic() if now is None else now
         while self._at:
-            oldest, at = next(iter(self._at.items()))
+            oldest, (at, _) = next(iter(self._at.items()))
             if now - at <= self.memory_s:
                 break
             del self._at[oldest]
-        if request_id in self._at:
+        if self.is_copy(request_id, reply):
             return False
-        self._at[request_id] = now
+        self._at[request_id] = (now, reply)
+        self._at.move_to_end(request_id)
         return True
 
     def forget(self, request_id: str) -> None:
@@ -279,7 +285,7 @@ class InferenceServer:
     def _copy_of_taken(self, msg: Msg) -> bool:
         """Whether ``msg`` is a copy of a request this worker took (read only when it is at capacity)."""
         try:
-            return decode_as(msg.data, InferenceRequested).request_id in self.taken
+            return self.taken.is_copy(decode_as(msg.data, InferenceRequested).request_id, msg.reply)
         except SchemaError:  # not a request this code reads: refused as overloaded, as any request would be
             return False
 
@@ -335,7 +341,7 @@ class InferenceServer:
             log.exception("inference.decode_failed")
             await self._reply_error(msg, type(exc).__name__, False, str(exc))
             return
-        if not self.taken.take(request.request_id):
+        if not self.taken.take(request.request_id, msg.reply):
             self.metrics.outcome["resent"].inc()
             request_log(request).info("inference.resent_request_joined")
             return
