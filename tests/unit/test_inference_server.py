@@ -133,6 +133,14 @@ def test_taken_ids_are_forgotten_after_the_memory() -> None:
     assert taken.take("b", "inbox.2", now=1900.002)
 
 
+def test_at_most_max_taken_ids_are_remembered_the_oldest_go_first() -> None:
+    taken = TakenRequests(memory_s=900.0, max_taken=3)
+    for i, rid in enumerate("abcd"):
+        assert taken.take(rid, "inbox", now=float(i))
+    assert len(taken) == 3 and "a" not in taken and all(r in taken for r in "bcd")
+    assert taken.take("a", "inbox", now=5.0)  # forgotten: served again (its turn is stored once by the stream)
+
+
 def test_the_same_id_to_another_reply_subject_is_not_a_copy() -> None:
     """Another requester (or a retry of its own with a new inbox) asking with an id taken here is served: only the
     recovery's copy carries the reply subject of the request taken."""

@@ -108,22 +108,31 @@ class WorkerIdentity:
         return f"inference-worker/{self.worker_id}"
 
 
-TAKEN_MEMORY_S = 900.0
+TAKEN_MEMORY_S = 300.0
 """How long a request id this worker took (in flight or answered) is remembered: a requester that lost track of its
-request in a NATS restart sends it again (same id, same reply subject) within its heartbeat timeout of the restart,
-and such a copy must not be generated a second time (``TakenRequests``)."""
+request in a NATS restart sends it again (same id, same reply subject) while its try still waits, within its
+``ROLLOUT_INFERENCE_REQUEST_TIMEOUT_S`` (120 s by default) of the first copy, and such a copy must not be generated a
+second time (``TakenRequests``). A copy that comes later is generated again: compute spent twice, the turn still
+stored once (the stream deduplicates it by its id)."""
+TAKEN_MAX = 100_000
+"""At most this many request ids are remembered (the oldest go first): ~25 MB, five minutes of a worker serving 330
+turns a second."""
 
 
 class TakenRequests:
     """The requests this worker took (in flight or answered) in the last ``TAKEN_MEMORY_S``, by id with their reply
     subject, oldest first."""
 
-    def __init__(self, memory_s: float = TAKEN_MEMORY_S) -> None:
+    def __init__(self, memory_s: float = TAKEN_MEMORY_S, max_taken: int = TAKEN_MAX) -> None:
         self.memory_s = memory_s
+        self.max_taken = max_taken
         self._at: OrderedDict[str, tuple[float, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._at)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._at
 
     def is_copy(self, request_id: str, reply: str) -> bool:
         """Whether a request ``request_id`` with reply subject ``reply`` is a copy of one taken: the same request sent
@@ -146,6 +155,8 @@ class TakenRequests:
             return False
         self._at[request_id] = (now, reply)
         self._at.move_to_end(request_id)
+        if len(self._at) > self.max_taken:
+            self._at.popitem(last=False)
         return True
 
     def forget(self, request_id: str) -> None:
