@@ -131,9 +131,16 @@ class EpisodeRunner:
 
     async def _claim(self, msg: Msg, episode_id: str, lease: Lease) -> _Running | None:
         """Take the episode's lease for this delivery. While a live holder has it (the episode runs elsewhere: this
-        is a redelivery after a NATS restart) keep this delivery in progress and wait; once the lease is gone, run
-        the item as a new attempt if it is still queued (its holder died), else let it be (its holder finished).
-        None when there is nothing to run."""
+        is a redelivery after a NATS restart) wait; once the lease is gone, run the item as a new attempt if it is
+        still queued (its holder died), else let it be (its holder finished). None when there is nothing to run.
+
+        The delivery is kept in progress all along: a lease request that hangs through a stream's election (a few
+        seconds) must not let the ack wait run out, or the item is delivered again elsewhere and run there as a
+        new attempt, though this one never started."""
+        async with bus.keep_in_progress(msg, self._ping_s):
+            return await self._claim_in_progress(msg, episode_id, lease)
+
+    async def _claim_in_progress(self, msg: Msg, episode_id: str, lease: Lease) -> _Running | None:
         held_since: Claim | None = None
         while True:
             try:
@@ -147,8 +154,7 @@ class EpisodeRunner:
                     return None
             except BusError as exc:  # NATS reconnecting: ask again
                 log.warning("episode.lease_unavailable", episode_id=episode_id, error=str(exc))
-                async with bus.keep_in_progress(msg, self._ping_s):
-                    await asyncio.sleep(_LEASE_POLL_S)
+                await asyncio.sleep(_LEASE_POLL_S)
                 continue
             if held_since is None:
                 self.metrics.work_items_fenced.inc()
@@ -156,8 +162,7 @@ class EpisodeRunner:
                          holder=claim.holder.worker if claim.holder else None,
                          holder_attempt=claim.holder.attempt if claim.holder else None)
             held_since = claim
-            async with bus.keep_in_progress(msg, self._ping_s):
-                await self.leases.wait_gone(episode_id, claim, _LEASE_POLL_S)
+            await self.leases.wait_gone(episode_id, claim, _LEASE_POLL_S)
 
     async def _keep(self, episode_id: str, run: _Running, task: asyncio.Task[None]) -> None:
         """Every ``term.every_s``: in-progress pings for every delivery of the item, and the lease written again.

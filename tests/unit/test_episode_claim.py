@@ -1,0 +1,88 @@
+"""The env worker's claim of a delivered work item (``EpisodeRunner._claim``), on fakes of the lease bucket and of the
+message (named as fakes; the real bucket is tested in test_leases.py and by the chaos runs): the delivery is kept in
+progress while a lease request hangs, as it does through a stream's election on a NATS cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import cast
+
+from nats.aio.msg import Msg
+
+from rollout_ledger.services.env_worker.attempt import AttemptDeps
+from rollout_ledger.services.env_worker.episode_runner import EpisodeRunner
+from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Lease, LeaseTerm
+from rollout_ledger.services.env_worker.metrics import build_metrics
+from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
+from rollout_ledger.shared.errors import BusError
+
+ACK_WAIT_S = 0.3
+"""The fake consumer's ack wait: a delivery with no ack or in-progress ping for this long is delivered again."""
+
+
+class FakeMsg(Msg):
+    """A delivered work item that records when it was told in progress (a ``Msg`` with no connection)."""
+
+    def __init__(self) -> None:  # no super().__init__: nothing here talks to NATS
+        self.pings: list[float] = []
+
+    async def in_progress(self) -> None:
+        self.pings.append(asyncio.get_running_loop().time())
+
+
+class FakeLeases:
+    """A lease bucket whose first ``fail`` requests fail (NATS reconnecting) and whose requests take ``hang_s`` each
+    (a stream electing its leader)."""
+
+    def __init__(self, hang_s: float, fail: int = 0) -> None:
+        self.hang_s = hang_s
+        self.fail = fail
+
+    async def acquire(self, episode_id: str, lease: Lease) -> Claim:
+        await asyncio.sleep(self.hang_s)
+        if self.fail > 0:
+            self.fail -= 1
+            raise BusError("take a lease failed: TimeoutError: nats: timeout", retryable=True)
+        return Claim(True, 1, lease)
+
+    async def still_queued(self, seq: int) -> bool:
+        await asyncio.sleep(self.hang_s)
+        return True
+
+    def term(self, every_s: float) -> LeaseTerm:
+        return LeaseTerm(every_s)
+
+
+def _runner(leases: FakeLeases) -> EpisodeRunner:
+    return EpisodeRunner(EnvWorkerSettings(ack_wait_s=ACK_WAIT_S), cast(EpisodeLeases, leases), build_metrics(),
+                         cast(AttemptDeps, None), envs=frozenset({"echo"}), route_of=lambda env: env)
+
+
+def _longest_silence(started: float, ended: float, pings: list[float]) -> float:
+    marks = [started, *pings, ended]
+    return max(b - a for a, b in itertools.pairwise(marks))
+
+
+async def test_a_delivery_is_kept_in_progress_while_its_lease_request_hangs() -> None:
+    # each request hangs longer than the ack wait: without pings the item would be delivered again meanwhile
+    leases = FakeLeases(hang_s=2 * ACK_WAIT_S)
+    msg = FakeMsg()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    run = await _runner(leases)._claim(msg, "b.0.0", Lease("w", "r", 7, 1))
+    ended = loop.time()
+    assert run is not None and run.lease.seq == 7
+    assert msg.pings, "no in-progress ping while the lease request hung"
+    assert _longest_silence(started, ended, msg.pings) < ACK_WAIT_S, msg.pings
+
+
+async def test_a_delivery_is_kept_in_progress_while_the_lease_bucket_fails() -> None:
+    leases = FakeLeases(hang_s=ACK_WAIT_S / 2, fail=3)
+    msg = FakeMsg()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    run = await _runner(leases)._claim(msg, "b.0.0", Lease("w", "r", 7, 1))
+    ended = loop.time()
+    assert run is not None and leases.fail == 0
+    assert _longest_silence(started, ended, msg.pings) < ACK_WAIT_S, msg.pings
