@@ -421,8 +421,30 @@ async def ack_sync(msg: Msg, timeout: float = 10.0,  # noqa: ASYNC109 - nats-py'
     await retrying(lambda: _ack_sync(msg, timeout), "ack", retry_for_s)
 
 
+ACK_RECONNECT_LOOK_S = 0.25
+"""While an ack waits for its confirmation, how often the client's reconnect count is looked at."""
+
+
 async def _ack_sync(msg: Msg, timeout: float) -> None:  # noqa: ASYNC109 - see ack_sync
-    await msg.ack_sync(timeout=timeout)
+    """One try. When the client reconnects meanwhile (the node that had the ack, or would have sent its
+    confirmation, is gone) the try ends at once as a passing failure, and ``ack_sync`` sends the ack again, instead
+    of waiting out ``timeout`` for a confirmation that cannot come."""
+    nc = getattr(msg, "_client", None)
+    before = int(nc.stats.get("reconnects", 0)) if nc is not None else 0
+    confirm = asyncio.ensure_future(msg.ack_sync(timeout=timeout))
+    try:
+        while True:
+            done, _ = await asyncio.wait({confirm}, timeout=ACK_RECONNECT_LOOK_S)
+            if done:
+                confirm.result()
+                return
+            if nc is not None and int(nc.stats.get("reconnects", 0)) != before:
+                raise BusError("the connection was re-established before the ack's confirmation", retryable=True)
+    finally:
+        if not confirm.done():
+            confirm.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *NATS_FAILURES):
+                await confirm
 
 
 @contextlib.asynccontextmanager

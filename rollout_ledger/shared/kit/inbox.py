@@ -8,6 +8,11 @@ the waiting requests are in deadline order and one sweeper task fails the overdu
 task or timer per request. A request can also be failed from outside (``fail``: the inference client does so
 when a worker's heartbeats stop).
 
+A reply may be lost with the connection: the request or its reply died with a NATS node (SIGKILL, or a rolling
+restart of a cluster) while the client reconnected to another. An inbox given ``on_reconnect`` fails the requests
+opened before a reconnect with that error as soon as the sweeper sees the client's reconnect count grow (its next
+tick), so its owner can send them again at once instead of waiting out their timeout; without it they wait.
+
 Used by ``publisher.StreamPublisher`` (stream acks) and the env worker's inference client (turn replies); each
 says how a reply resolves its future (``resolve``) and what a timeout or NATS's no-responders reply raises.
 """
@@ -29,6 +34,9 @@ from rollout_ledger.shared.subjects import NO_RESPONDERS_STATUS, STATUS_HEADER
 
 T = TypeVar("T")
 
+RECONNECT_LOOK_S = 0.25
+"""How often an inbox given ``on_reconnect`` looks at the client's reconnect count (a dictionary read)."""
+
 
 def is_no_responders(msg: Msg) -> bool:
     """NATS's own reply to a request that no subscriber took."""
@@ -42,12 +50,16 @@ class ReplyInbox(Generic[T]):
     def __init__(self, nc: NATS, timeout_s: float, *,
                  resolve: Callable[[asyncio.Future[T], Msg], None],
                  on_timeout: Callable[[str], Exception],
-                 on_no_responders: Callable[[str], Exception]) -> None:
+                 on_no_responders: Callable[[str], Exception],
+                 on_reconnect: Callable[[str], Exception] | None = None) -> None:
         self.nc = nc
         self.timeout_s = timeout_s
         self._resolve = resolve
         self._on_timeout = on_timeout
         self._on_no_responders = on_no_responders
+        self._on_reconnect = on_reconnect
+        self._reconnects = 0
+        """The client's reconnect count at the sweeper's last look."""
         self._prefix = ""
         self._tokens = itertools.count(1)
         self._waiting: dict[str, tuple[asyncio.Future[T], float, str]] = {}
@@ -75,6 +87,7 @@ class ReplyInbox(Generic[T]):
             prefix = f"{self.nc.new_inbox()}."
             self._sub = await self.nc.subscribe(f"{prefix}*", cb=self._on_reply)
             self._prefix = prefix
+            self._reconnects = self._reconnect_count()
             self._sweeper = asyncio.create_task(self._sweep_forever())
 
     async def stop(self, error: Callable[[], Exception]) -> None:
@@ -120,10 +133,29 @@ class ReplyInbox(Generic[T]):
                 fut.set_exception(self._on_timeout(label))
         return len(overdue)
 
+    def _reconnect_count(self) -> int:
+        return int(self.nc.stats.get("reconnects", 0))
+
+    def reconnected(self) -> int:
+        """With ``on_reconnect``: when the client reconnected since the last look, fail every request still waiting
+        (each was opened before this look, so maybe before the reconnect) with ``on_reconnect``; how many."""
+        reconnects = self._reconnect_count()
+        if self._on_reconnect is None or reconnects == self._reconnects:
+            return 0
+        self._reconnects = reconnects
+        waiting, self._waiting = self._waiting, {}
+        for fut, _, label in waiting.values():
+            if not fut.done():
+                fut.set_exception(self._on_reconnect(label))
+        return len(waiting)
+
     async def _sweep_forever(self) -> None:
         interval = min(1.0, max(0.01, self.timeout_s / 10))
+        if self._on_reconnect is not None:
+            interval = min(interval, RECONNECT_LOOK_S)
         while True:
             await asyncio.sleep(interval)
+            self.reconnected()
             self.sweep()
 
     async def _on_reply(self, msg: Msg) -> None:

@@ -16,8 +16,9 @@ the trace context of the span current at the publish (shared/kit/tracing.py).
 A passing failure (no responders or no ack while a JetStream cluster elects the stream's leader, a stream's 5xx)
 is published again, the same bytes and ``Nats-Msg-Id`` (stored once), after a pause of 0.1 s doubling to 2 s,
 until ``retry_for_s`` after the first publish (the services give ``bus.RETRY_FOR_S``); only then does the future
-fail. The retry costs nothing while
-nothing fails: a done-callback on the ack's future, no task per message.
+fail. A publish whose ack had not come when the connection was re-established (a NATS node lost with the publish
+or its ack) is sent again at once, not after ``ack_timeout_s`` (``ReplyInbox``'s ``on_reconnect``). The retry costs
+nothing while nothing fails: a done-callback on the ack's future, no task per message.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class StreamPublisher:
         self._inbox: ReplyInbox[None] = ReplyInbox(
             nc, ack_timeout_s, resolve=_resolve_ack,
             on_timeout=lambda _label: BusError(f"no stream ack within {ack_timeout_s}s"),
-            on_no_responders=lambda _label: BusError("no stream stores this subject (no responders)"))
+            on_no_responders=lambda _label: BusError("no stream stores this subject (no responders)"),
+            on_reconnect=(lambda _label: BusError("reconnected before the stream's ack")) if retry_for_s > 0 else None)
 
     @property
     def started(self) -> bool:
