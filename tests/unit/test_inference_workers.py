@@ -172,6 +172,24 @@ async def test_a_reconnect_between_two_ticks_counts_as_cut_off(clock: FakeClock)
         await client.recovery.stop()
 
 
+async def test_each_reconnect_starts_a_recovery_of_its_own(clock: FakeClock) -> None:
+    """A recovery still reading (one of its tries waits for its timeout) does not keep the next reconnect's lost
+    requests from being sent again: each reconnect starts its own."""
+    nc = _nc()
+    client = InferenceClient(nc, InferenceClientConfig(heartbeat_timeout_s=TIMEOUT_S), clock=clock)
+    client.table.heard(heartbeat("w1"))
+    try:
+        nc.stats["reconnects"] = 1
+        assert client.reap() == []
+        assert client.recovery.under_way == 1
+        clock.advance(1.0)
+        nc.stats["reconnects"] = 2  # a second node lost while the first recovery waits out its grace
+        assert client.reap() == []
+        assert client.recovery.under_way == 2
+    finally:
+        await client.recovery.stop()
+
+
 def _state(worker_id: str, *, capacity: int = 0, inflight: int = 0, draining: bool = False) -> WorkerState:
     return WorkerState(worker_id, f"rl.infer.w.{worker_id}", capacity, inflight, draining, 0.0)
 

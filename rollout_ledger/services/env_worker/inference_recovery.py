@@ -49,13 +49,19 @@ class TurnRecovery:
         self.wall = wall
         self._cut_off_since: float | None = None
         """Wall time this client's own connection was first seen down (a NATS restart); None while connected."""
-        self._recovery: asyncio.Task[int] | None = None
         self._recoveries: set[asyncio.Task[int]] = set()
-        """Recoveries started by a worker's reconnect (beside ``_recovery``, this client's own)."""
+        """The recoveries under way: one per reconnect, this client's own or a worker's. Each reads the tries
+        waiting when its grace ends; one still reading (a try of its own waits for its timeout) does not keep a
+        later reconnect's lost requests from being sent again."""
         self._reconnects = 0
         """This client's NATS reconnects seen by the reaper."""
         self._tick_at = wall()
         """Wall time of the reaper's last tick."""
+
+    @property
+    def under_way(self) -> int:
+        """Recoveries under way."""
+        return len(self._recoveries)
 
     def cut_off(self, now: float) -> bool:
         """Called by the reaper at each tick (``now``: the table's clock), before it reaps. True while this client
@@ -77,13 +83,15 @@ class TurnRecovery:
         if self._cut_off_since is not None:  # back: every worker gets a full heartbeat_timeout_s from now
             since, self._cut_off_since = self._cut_off_since, None
             self.table.excuse(now)
-            if self._recovery is None or self._recovery.done():
-                self._recovery = asyncio.create_task(self.recover(since, self.table.heartbeat_timeout_s))
+            self._start(since)
             return True
         return False
 
     def worker_reconnected(self, since: float) -> None:
         """A worker's heartbeat reported a reconnect: recover the replies it sent since ``since`` (wall time)."""
+        self._start(since)
+
+    def _start(self, since: float) -> None:
         task = asyncio.create_task(self.recover(since, self.table.heartbeat_timeout_s))
         self._recoveries.add(task)
         task.add_done_callback(self._recoveries.discard)
@@ -143,7 +151,7 @@ class TurnRecovery:
 
     async def stop(self) -> None:
         """Cancel the recoveries under way."""
-        for task in [*([self._recovery] if self._recovery is not None else []), *self._recoveries]:
+        for task in list(self._recoveries):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
