@@ -1,11 +1,13 @@
 """The env worker's claim of a delivered work item (``EpisodeRunner._claim``), on fakes of the lease bucket and of the
 message (named as fakes; the real bucket is tested in test_leases.py and by the chaos runs): the delivery is kept in
-progress while a lease request hangs, as it does through a stream's election on a NATS cluster."""
+progress while a lease request hangs, as it does through a stream's election on a NATS cluster, and a lease taken
+long before the claim ends is written again before the episode runs (its TTL runs from its last write)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import cast
 
 from nats.aio.msg import Msg
@@ -38,6 +40,9 @@ class FakeLeases:
     def __init__(self, hang_s: float, fail: int = 0) -> None:
         self.hang_s = hang_s
         self.fail = fail
+        self.clock = time.monotonic
+        self.refreshed: list[int] = []
+        """Revisions written again (``refresh``)."""
 
     async def acquire(self, episode_id: str, lease: Lease) -> Claim:
         await asyncio.sleep(self.hang_s)
@@ -49,6 +54,10 @@ class FakeLeases:
     async def still_queued(self, seq: int) -> bool:
         await asyncio.sleep(self.hang_s)
         return True
+
+    async def refresh(self, episode_id: str, lease: Lease, revision: int) -> int:
+        self.refreshed.append(revision)
+        return revision + 1
 
     def term(self, every_s: float) -> LeaseTerm:
         return LeaseTerm(every_s)
@@ -73,6 +82,7 @@ async def test_a_delivery_is_kept_in_progress_while_its_lease_request_hangs() ->
     run = await _runner(leases)._claim(msg, "b.0.0", Lease("w", "r", 7, 1))
     ended = loop.time()
     assert run is not None and run.lease.seq == 7
+    assert leases.refreshed == [1] and run.revision == 2, "taken long before the claim ended: written again"
     assert msg.pings, "no in-progress ping while the lease request hung"
     assert _longest_silence(started, ended, msg.pings) < ACK_WAIT_S, msg.pings
 
@@ -86,3 +96,9 @@ async def test_a_delivery_is_kept_in_progress_while_the_lease_bucket_fails() -> 
     ended = loop.time()
     assert run is not None and leases.fail == 0
     assert _longest_silence(started, ended, msg.pings) < ACK_WAIT_S, msg.pings
+
+
+async def test_a_lease_taken_just_now_is_not_written_again() -> None:
+    leases = FakeLeases(hang_s=0.0)
+    run = await _runner(leases)._claim(FakeMsg(), "b.0.0", Lease("w", "r", 7, 1))
+    assert run is not None and run.revision == 1 and leases.refreshed == []

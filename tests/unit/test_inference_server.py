@@ -39,19 +39,29 @@ async def served(nc: bus.NATS, model_dir: str) -> Any:
     await srv.drain(5)
 
 
+@pytest.fixture
+async def replies(nc: bus.NATS) -> Any:
+    """``(inbox, got)``: a reply subject and the replies that came to it, in order."""
+    got: list[Msg] = []
+
+    async def take(m: Msg) -> None:
+        got.append(m)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=take)
+    yield inbox, got
+    await sub.unsubscribe()
+
+
 def count(metrics: InferenceMetrics, outcome: str) -> float:
     return float(metrics.outcome[outcome]._value.get())
 
 
-async def test_a_copy_of_a_request_in_flight_or_answered_is_not_generated_again(nc: bus.NATS, served: Any) -> None:
+async def test_a_copy_of_a_request_in_flight_or_answered_is_not_generated_again(nc: bus.NATS, served: Any,
+                                                                                 replies: Any) -> None:
     srv, metrics = served
+    inbox, got = replies
     assert srv.heartbeat_payload()["takes_resent"] is True
-    replies: list[Msg] = []
-    inbox = nc.new_inbox()
-    async def got(m: Msg) -> None:
-        replies.append(m)
-
-    sub = await nc.subscribe(inbox, cb=got)
     subject = infer_worker_subject("w-resend")
     data = encode(request("b.0.0:a1:t0:r1"))
     await nc.publish(subject, data, reply=inbox)
@@ -61,64 +71,50 @@ async def test_a_copy_of_a_request_in_flight_or_answered_is_not_generated_again(
     assert count(metrics, "ok") == 0 and srv.inflight == 1  # joined to the generation in flight
     await until(lambda: count(metrics, "ok") == 1, 2 * DELAY_S + 5.0)
     await nc.flush()
-    await until(lambda: len(replies) == 1, 5.0)
-    assert decode_as(replies[0].data, TurnGenerated).request_id == "b.0.0:a1:t0:r1"
+    await until(lambda: len(got) == 1, 5.0)
+    assert decode_as(got[0].data, TurnGenerated).request_id == "b.0.0:a1:t0:r1"
     # answered already: a later copy is joined too (its turn is on RL_EVENTS), nothing generated or replied
     await nc.publish(subject, data, reply=inbox)
     await until(lambda: count(metrics, "resent") == 2, 5.0)
     await asyncio.sleep(0)
     assert count(metrics, "ok") == 1 and srv.inflight == 0
-    await sub.unsubscribe()
 
 
-async def test_a_request_answered_with_an_error_is_taken_again(nc: bus.NATS, served: Any) -> None:
+async def test_a_request_answered_with_an_error_is_taken_again(nc: bus.NATS, served: Any, replies: Any) -> None:
     srv, metrics = served
-    replies: list[Msg] = []
-    inbox = nc.new_inbox()
-    async def got(m: Msg) -> None:
-        replies.append(m)
-
-    sub = await nc.subscribe(inbox, cb=got)
+    inbox, got = replies
     subject = infer_worker_subject("w-resend")
     data = encode(request("b.0.0:a1:t1:r1"))
     await nc.publish(subject, data, reply=inbox)
     await until(lambda: srv.inflight == 1 and "b.0.0:a1:t1:r1" in srv._active, 5.0)
     await nc.publish(INFER_CANCEL, b"b.0.0:a1:t1:r1")  # aborted: answered with a (retryable) error
-    await until(lambda: len(replies) == 1, 5.0)
-    assert (replies[0].headers or {}).get(ERROR_HEADER) == "InferenceError"
+    await until(lambda: len(got) == 1, 5.0)
+    assert (got[0].headers or {}).get(ERROR_HEADER) == "InferenceError"
     await nc.publish(subject, data, reply=inbox)  # the same id again: generated this time
-    await until(lambda: len(replies) == 2, 2 * DELAY_S + 5.0)
-    assert decode_as(replies[1].data, TurnGenerated).request_id == "b.0.0:a1:t1:r1"
+    await until(lambda: len(got) == 2, 2 * DELAY_S + 5.0)
+    assert decode_as(got[1].data, TurnGenerated).request_id == "b.0.0:a1:t1:r1"
     assert count(metrics, "resent") == 0 and count(metrics, "aborted") == 1 and count(metrics, "ok") == 1
-    await sub.unsubscribe()
 
 
-async def test_a_copy_at_capacity_is_joined_not_refused(nc: bus.NATS, model_dir: str) -> None:
+async def test_a_copy_at_capacity_is_joined_not_refused(nc: bus.NATS, model_dir: str, replies: Any) -> None:
     """A worker at capacity refuses new requests as overloaded (the requester tries another worker), but a copy of
     one of its own generations is joined: an error reply would fail the try and the turn would be generated twice."""
     metrics = InferenceMetrics.create()
     srv = InferenceServer(nc, FakeEngine(model_dir, delay_s=DELAY_S), WorkerIdentity("w-full", 0, 1, 60.0), metrics)
     await srv.start()
-    replies: list[Msg] = []
-
-    async def got(m: Msg) -> None:
-        replies.append(m)
-
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=got)
+    inbox, got = replies
     try:
         subject = infer_worker_subject("w-full")
         await nc.publish(subject, encode(request("b.0.0:a1:t2:r1")), reply=inbox)
         await until(lambda: srv.inflight == 1, 5.0)
         await nc.publish(subject, encode(request("b.0.0:a1:t2:r1")), reply=inbox)  # a copy: joined
         await nc.publish(subject, encode(request("b.0.1:a1:t0:r1")), reply=inbox)  # another request: refused
-        await until(lambda: len(replies) == 1, 5.0)
-        assert (replies[0].headers or {}).get(ERROR_HEADER) == "Overloaded"
+        await until(lambda: len(got) == 1, 5.0)
+        assert (got[0].headers or {}).get(ERROR_HEADER) == "Overloaded"
         assert count(metrics, "resent") == 1 and count(metrics, "overloaded") == 1 and count(metrics, "ok") == 0
-        await until(lambda: len(replies) == 2, 2 * DELAY_S + 5.0)
-        assert decode_as(replies[1].data, TurnGenerated).request_id == "b.0.0:a1:t2:r1"
+        await until(lambda: len(got) == 2, 2 * DELAY_S + 5.0)
+        assert decode_as(got[1].data, TurnGenerated).request_id == "b.0.0:a1:t2:r1"
     finally:
-        await sub.unsubscribe()
         await srv.drain(5)
 
 

@@ -142,12 +142,21 @@ class EpisodeRunner:
 
     async def _claim_in_progress(self, msg: Msg, episode_id: str, lease: Lease) -> _Running | None:
         held_since: Claim | None = None
+        # (revision, clock time) of the last write of our lease: its TTL runs from there, not from the claim's end
+        written: tuple[int, float] | None = None
         while True:
             try:
                 claim = await self.leases.acquire(episode_id, lease)
                 if claim.taken:
+                    if written is None or written[0] != claim.revision:
+                        written = (claim.revision, self.leases.clock())
                     if await self.leases.still_queued(lease.seq):
-                        return _Running([msg], lease, claim.revision, self.leases.term(self._ping_s))
+                        revision = claim.revision
+                        if self.leases.clock() - written[1] > self._ping_s:
+                            # the claim took long (an election): write the lease again before the episode runs, or
+                            # its TTL may end under it and a redelivery elsewhere run a second attempt beside it
+                            revision = await self.leases.refresh(episode_id, lease, revision)
+                        return _Running([msg], lease, revision, self.leases.term(self._ping_s))
                     # finished and acked by another holder between this delivery and now: nothing to run
                     await self.leases.release(episode_id, claim.revision)
                     log.info("work_item.finished_elsewhere", episode_id=episode_id, seq=lease.seq)
@@ -156,6 +165,8 @@ class EpisodeRunner:
                 log.warning("episode.lease_unavailable", episode_id=episode_id, error=str(exc))
                 await asyncio.sleep(_LEASE_POLL_S)
                 continue
+            except LeaseLost as exc:  # ours expired during the claim and another holder took it: wait for it
+                claim = Claim(False, 0, exc.holder)
             if held_since is None:
                 self.metrics.work_items_fenced.inc()
                 log.info("work_item.fenced", episode_id=episode_id, attempt=lease.attempt,
