@@ -46,8 +46,10 @@ BEAT_S = 0.1
 
 
 class Responder:
-    """An in-test inference worker: ``mode`` is reply, silent, retryable, fatal or lost_reply (the turn is stored on
-    RL_EVENTS, as a worker does before replying, and the reply never arrives: a NATS restart in between)."""
+    """An in-test inference worker: ``mode`` is reply, silent, retryable, fatal, lost_reply (the turn is stored on
+    RL_EVENTS, as a worker does before replying, and the reply never arrives: a NATS restart in between),
+    lost_request (the first copy never arrives) or lost_error (the first copy is taken, the second joined to it, and
+    its error reply never arrives)."""
 
     def __init__(self, nc: bus.NATS, worker_id: str, mode: str = "reply", capacity: int = 8,
                  join_any: bool = False, pool: str | None = None, takes_resent: bool = False) -> None:
@@ -105,6 +107,10 @@ class Responder:
             return
         if self.mode == "lost_request":  # died with the server: never seen; a copy sent again is served
             self.mode = "reply"
+            return
+        if self.mode == "lost_error":  # taken; a copy is joined, then its error reply is refused (and forgotten)
+            if len(self.requests) == 2:
+                self.mode = "reply"  # the id forgotten: the next copy is a request of its own
             return
         await self.serve(req, msg.reply)
 
@@ -385,6 +391,26 @@ async def test_a_request_lost_in_a_nats_restart_is_sent_again_not_left_to_time_o
     assert [r.request_id for r in worker.requests] == ["b.0.0:a1:t9:r1"] * 2  # the same request, once more
     assert time.monotonic() - began < 5.0
     assert [e["resent"] for e in logs if e["event"] == "inference.resent_requests"] == [1]
+    await worker.stop()
+
+
+async def test_a_try_still_waiting_after_its_copy_is_sent_again(nc: bus.NATS, client: InferenceClient) -> None:
+    """The copy was joined to a generation that then failed, its error reply lost too (the worker's node refused
+    it): the recovery sends the try again while it waits, and the worker, which forgot the id it answered with an
+    error, generates it. The try is answered long before its 5 s timeout, with no new try."""
+    worker = await Responder(nc, "w-err", mode="lost_error", takes_resent=True).start()
+    await until(lambda: "w-err" in client.workers and client.workers["w-err"].takes_resent, 5.0)
+    since = time.time()
+    began = time.monotonic()
+    pending = asyncio.create_task(client.generate(request_builder(turn=11)))
+    await until(lambda: len(worker.requests) == 1, 5.0)
+    with capture_logs() as logs:
+        assert await client.recovery.recover(since, grace_s=0.0) == 0
+    turn = await asyncio.wait_for(pending, 5)
+    assert turn.request_id == "b.0.0:a1:t11:r1" and client.retries == []
+    assert [r.request_id for r in worker.requests] == ["b.0.0:a1:t11:r1"] * 3  # the request, its copy, once more
+    assert time.monotonic() - began < 5.0
+    assert [e["resent"] for e in logs if e["event"] == "inference.resent_requests"] == [1, 1]
     await worker.stop()
 
 

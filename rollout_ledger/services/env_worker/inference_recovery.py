@@ -59,6 +59,15 @@ class TurnRecovery:
         """Wall time of the reaper's last tick."""
 
     @property
+    def resend_every_s(self) -> float:
+        """While a recovery reads, how often it sends the tries still waiting again: a copy joined to a generation
+        whose reply is lost too (an error reply the worker's node refused after a reconnect: ``allow_responses`` is
+        per connection) is then generated anew, the worker having forgotten a request it answered with an error;
+        one it answered with a turn is joined again, its turn read from RL_EVENTS. One heartbeat timeout, 1 s at
+        least."""
+        return max(self.table.heartbeat_timeout_s, 1.0)
+
+    @property
     def under_way(self) -> int:
         """Recoveries under way."""
         return len(self._recoveries)
@@ -101,8 +110,9 @@ class TurnRecovery:
         turn on RL_EVENTS, if its worker published one since ``since`` (wall time, a few seconds of margin), or
         publishes it later (a generation that ends after the restart: under NATS permissions its reply is refused,
         the server no longer knowing the request); the number answered. Reads until every such try is answered or
-        has failed (``request_timeout_s``). Each such try is first sent again (``TurnRequests.resend``): one whose
-        request died with the server is then generated, instead of failing over only at its timeout."""
+        has failed (``request_timeout_s``). Each such try is first sent again (``TurnRequests.resend``), and again every
+        ``resend_every_s`` while it waits: one whose request died with the server is then generated, instead of
+        failing over only at its timeout."""
         await asyncio.sleep(grace_s)
         targets = {rid: f for rid, f in self.requests.by_request.items() if not f.done()}
         if not targets:
@@ -132,7 +142,13 @@ class TurnRecovery:
                 # RL_EVENTS may be electing a leader still (a cluster node lost): tried again until it answers
                 await bus.retrying(lambda: js.add_consumer(EVENTS_STREAM, config), "turn recovery's consumer",
                                    max(0.0, deadline - loop.time()))
+                resend_at = loop.time() + self.resend_every_s
                 while any(not f.done() for f in targets.values()) and loop.time() < deadline:
+                    if loop.time() >= resend_at:  # a copy joined to a generation whose reply was lost again
+                        again = await self.requests.resend([rid for rid, f in targets.items() if not f.done()])
+                        if again:
+                            log.info("inference.resent_requests", resent=again, again=True)
+                        resend_at = loop.time() + self.resend_every_s
                     try:
                         msg = await asyncio.wait_for(queue.get(), timeout=0.5)
                     except TimeoutError:  # no turn stored meanwhile: look at the tries again
