@@ -119,6 +119,10 @@ class ChaosResult:
     regenerated_by_superseded_attempts: int
     regenerated_within_final_attempt: int
     attempts_after_first: int
+    attempts_after_started: int
+    """Attempts run after an earlier attempt of the same episode had recorded something (``attempt_resumes`` with
+    ``from_attempt`` > 0); the rest of ``attempts_after_first`` followed deliveries that never started (a work item
+    lost on its way to a worker with a NATS node: redelivered after the ack wait, nothing to resume or redo)."""
     cut_by_kills: int
     rerun: dict[str, int]
     """Episodes that ran more than one attempt (the first 50) and their last attempt."""
@@ -420,7 +424,9 @@ class Chaos:
                 "regenerated_by_superseded_attempts": superseded,
                 "regenerated_within_final_attempt": turns - kept - superseded,
                 "attempts_after_first": q(engine, "select coalesce(sum(attempt - 1), 0) from episodes "
-                                                  "where batch_id = any(:b) and attempt > 1")}
+                                                  "where batch_id = any(:b) and attempt > 1"),
+                "attempts_after_started": q(engine, "select count(*) from attempt_resumes where batch_id = any(:b) "
+                                                    "and from_attempt > 0")}
 
     def run(self) -> ChaosResult:
         cfg = self.cfg
@@ -470,7 +476,8 @@ class Chaos:
             regenerated_pct=round(100 * fig["regenerated_turns"] / turns, 3),
             regenerated_by_superseded_attempts=fig["regenerated_by_superseded_attempts"],
             regenerated_within_final_attempt=fig["regenerated_within_final_attempt"],
-            attempts_after_first=fig["attempts_after_first"], cut_by_kills=self.cut_by_kills, rerun=fig["rerun"],
+            attempts_after_first=fig["attempts_after_first"], attempts_after_started=fig["attempts_after_started"],
+            cut_by_kills=self.cut_by_kills, rerun=fig["rerun"],
             turns_reused=fig["turns_reused"], recorded_turns_generated_again=fig["recorded_again"],
             resumed=fig["resumed"],
             faults=self.faults,

@@ -28,7 +28,11 @@ def test_chaos_cluster_rides_out_node_kills_and_a_rolling_restart(tmp_path: Path
     assert result.statuses == {"completed": 90}
     assert result.duplicated == 0
     assert result.turns >= 90 * 4
-    # no episode failed over to a new attempt: the elections were ridden out, not restarted around
-    assert result.attempts_after_first == 0, "\n".join(episode_report(logs, e) for e in result.rerun)
+    # no episode failed over to a new attempt once it had begun: the elections were ridden out, not restarted
+    # around. A work item lost on its way to a worker with a node (SIGKILL) is delivered again after the ack wait as
+    # attempt 2 (the attempt counts deliveries); it starts from nothing recorded, so nothing is resumed or redone.
+    reruns = "\n".join(episode_report(logs, e) for e in result.rerun)
+    assert result.attempts_after_started == 0, reruns
+    assert result.regenerated_by_superseded_attempts == 0 and result.recorded_turns_generated_again == 0, reruns
     # an election takes ~5 s (NATS's raft); a stall of 30 s is a request that waited for its timeout instead
     assert result.longest_stall_s < 20.0, f"{result.stalls}\n{stall_report(logs)}"
