@@ -373,20 +373,27 @@ async def test_a_turn_stored_after_the_restart_is_read_back_too(nc: bus.NATS, cl
     await worker.stop()
 
 
+async def _recovered(nc: bus.NATS, client: InferenceClient, worker_id: str, mode: str,
+                     turn_index: int) -> tuple[Responder, TurnGenerated, list[dict[str, Any]], float]:
+    """A try to a ``mode`` worker that takes copies, then a recovery (nothing on RL_EVENTS for it): the worker, the
+    try's turn, the recovery's logs and when the try began (monotonic)."""
+    worker = await Responder(nc, worker_id, mode=mode, takes_resent=True).start()
+    await until(lambda: worker_id in client.workers and client.workers[worker_id].takes_resent, 5.0)
+    since = time.time()
+    began = time.monotonic()
+    pending = asyncio.create_task(client.generate(request_builder(turn=turn_index)))
+    await until(lambda: len(worker.requests) == 1, 5.0)
+    with capture_logs() as logs:
+        assert await client.recovery.recover(since, grace_s=0.0) == 0  # nothing on RL_EVENTS for it
+    return worker, await asyncio.wait_for(pending, 5), logs, began
+
+
 async def test_a_request_lost_in_a_nats_restart_is_sent_again_not_left_to_time_out(nc: bus.NATS,
                                                                                    client: InferenceClient) -> None:
     """A request that died with the server: no turn is stored for it, so the recovery sends the same request (id and
     reply subject) again to its worker, which joins copies of what it took; the try is answered by the copy, with no
     new try and long before its 5 s timeout."""
-    worker = await Responder(nc, "w-drop", mode="lost_request", takes_resent=True).start()
-    await until(lambda: "w-drop" in client.workers and client.workers["w-drop"].takes_resent, 5.0)
-    since = time.time()
-    began = time.monotonic()
-    pending = asyncio.create_task(client.generate(request_builder(turn=9)))
-    await until(lambda: len(worker.requests) == 1, 5.0)
-    with capture_logs() as logs:
-        assert await client.recovery.recover(since, grace_s=0.0) == 0  # nothing on RL_EVENTS for it
-    turn = await asyncio.wait_for(pending, 5)
+    worker, turn, logs, began = await _recovered(nc, client, "w-drop", "lost_request", turn_index=9)
     assert turn.request_id == "b.0.0:a1:t9:r1" and client.retries == []
     assert [r.request_id for r in worker.requests] == ["b.0.0:a1:t9:r1"] * 2  # the same request, once more
     assert time.monotonic() - began < 5.0
@@ -398,15 +405,7 @@ async def test_a_try_still_waiting_after_its_copy_is_sent_again(nc: bus.NATS, cl
     """The copy was joined to a generation that then failed, its error reply lost too (the worker's node refused
     it): the recovery sends the try again while it waits, and the worker, which forgot the id it answered with an
     error, generates it. The try is answered long before its 5 s timeout, with no new try."""
-    worker = await Responder(nc, "w-err", mode="lost_error", takes_resent=True).start()
-    await until(lambda: "w-err" in client.workers and client.workers["w-err"].takes_resent, 5.0)
-    since = time.time()
-    began = time.monotonic()
-    pending = asyncio.create_task(client.generate(request_builder(turn=11)))
-    await until(lambda: len(worker.requests) == 1, 5.0)
-    with capture_logs() as logs:
-        assert await client.recovery.recover(since, grace_s=0.0) == 0
-    turn = await asyncio.wait_for(pending, 5)
+    worker, turn, logs, began = await _recovered(nc, client, "w-err", "lost_error", turn_index=11)
     assert turn.request_id == "b.0.0:a1:t11:r1" and client.retries == []
     assert [r.request_id for r in worker.requests] == ["b.0.0:a1:t11:r1"] * 3  # the request, its copy, once more
     assert time.monotonic() - began < 5.0
