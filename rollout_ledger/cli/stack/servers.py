@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import pwd
+import random
 import secrets
 import shutil
 import signal
@@ -38,8 +39,51 @@ from rollout_ledger.shared import nats_auth
 from rollout_ledger.shared.errors import InfraError
 from rollout_ledger.shared.kit.settings import NatsSecurity
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LISTEN_PORTS_FROM = 10000
+"""The lowest port ``free_port`` hands out when it picks below the kernel's ephemeral range."""
+_handed_out: set[int] = set()
+_pick = random.SystemRandom()  # not the seeded module-level random: two test processes must not pick alike
+
+
+def _listen_range() -> tuple[int, int] | None:
+    """Ports from ``LISTEN_PORTS_FROM`` up to just below the ephemeral range, or None where no such range of
+    1000 ports or more exists (or the kernel does not say)."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if ephemeral_low - LISTEN_PORTS_FROM < 1000:
+        return None
+    return LISTEN_PORTS_FROM, ephemeral_low - 1
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
 
 def free_port() -> int:
+    """A loopback port nobody listens on now, for a child to bind a moment later.
+
+    Where it can, the port comes from below the kernel's ephemeral range, not from ``bind(0)``: every outgoing
+    connection on the machine draws its local port from that range, so between this call and the child's bind a
+    connection of any other process could take a port ``bind(0)`` gave (CI saw it: a recorder's ``address already
+    in use`` while two suites ran beside each other). Below the range only another listener can take it; the pick
+    is random (from the OS, not the seeded ``random``) so two test processes rarely meet, and a port this process
+    handed out before is not handed out again."""
+    span = _listen_range()
+    if span is not None:
+        for _ in range(200):
+            port = _pick.randint(*span)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
