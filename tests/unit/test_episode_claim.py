@@ -1,23 +1,26 @@
 """The env worker's claim of a delivered work item (``EpisodeRunner._claim``), on fakes of the lease bucket and of the
 message (named as fakes; the real bucket is tested in test_leases.py and by the chaos runs): the delivery is kept in
 progress while a lease request hangs, as it does through a stream's election on a NATS cluster, and a lease taken
-long before the claim ends is written again before the episode runs (its TTL runs from its last write)."""
+long before the claim ends is written again before the episode runs (its TTL runs from its last write); an episode
+ends though its lease keeper missed its cancellation."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
+from types import SimpleNamespace
 from typing import cast
 
 from nats.aio.msg import Msg
 
-from rollout_ledger.services.env_worker.attempt import AttemptDeps
+from rollout_ledger.services.env_worker.attempt import AttemptDeps, AttemptOutcome
 from rollout_ledger.services.env_worker.episode_runner import EpisodeRunner
 from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Lease, LeaseTerm
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.shared.errors import BusError
+from rollout_ledger.shared.events import EpisodeRequested, SamplingParams
 
 ACK_WAIT_S = 0.3
 """The fake consumer's ack wait: a delivery with no ack or in-progress ping for this long is delivered again."""
@@ -102,3 +105,70 @@ async def test_a_lease_taken_just_now_is_not_written_again() -> None:
     leases = FakeLeases(hang_s=0.0)
     run = await _runner(leases)._claim(FakeMsg(), "b.0.0", Lease("w", "r", 7, 1))
     assert run is not None and run.revision == 1 and leases.refreshed == []
+
+
+class FakeDelivery(FakeMsg):
+    """A delivered work item with a stream sequence, acked at once (a ``Msg`` with no connection)."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__()
+        self.seq = seq
+        self.acked = 0
+
+    @property
+    def metadata(self) -> Msg.Metadata:
+        return cast(Msg.Metadata, SimpleNamespace(sequence=SimpleNamespace(stream=self.seq), num_delivered=1))
+
+    async def ack_sync(self, timeout: float = 1.0) -> Msg:  # noqa: ASYNC109 - nats-py's signature
+        self.acked += 1
+        return self
+
+
+class RacingLeases(FakeLeases):
+    """A bucket whose renewals wait for their reply as nats-py's requests do (``asyncio.wait_for``), and whose
+    release lets the renewal under way have its reply: the reply lands in the same loop iteration as the keeper's
+    cancellation, which Python 3.11's ``wait_for`` then loses."""
+
+    def __init__(self) -> None:
+        super().__init__(hang_s=0.0)
+        self.reply: asyncio.Future[None] | None = None
+        self.renewing = asyncio.Event()
+        self.released_at: float | None = None
+        self.renewals_after_release = 0
+
+    def mine(self, seq: int, attempt: int) -> Lease:
+        return Lease("w", "r", seq, attempt)
+
+    async def refresh(self, episode_id: str, lease: Lease, revision: int) -> int:
+        if self.released_at is not None:
+            self.renewals_after_release += 1
+        self.reply = asyncio.get_running_loop().create_future()
+        self.renewing.set()
+        await asyncio.wait_for(self.reply, 30.0)
+        return revision + 1
+
+    async def release(self, episode_id: str, revision: int) -> None:
+        self.released_at = time.monotonic()
+        if self.reply is not None and not self.reply.done():
+            self.reply.set_result(None)
+
+
+async def test_an_episode_ends_though_its_lease_keeper_missed_the_cancellation() -> None:
+    """The keeper's renewal is answered just as the episode ends: its cancellation is lost (Python 3.11), and the
+    episode's task used to wait for the keeper for good, counted as running (it held a policy drain open)."""
+    leases = RacingLeases()
+    runner = _runner(leases)
+
+    async def attempt(run: object, item: EpisodeRequested, attempt: int) -> AttemptOutcome:
+        await leases.renewing.wait()  # the episode ends while its lease is being written again
+        return AttemptOutcome("completed", 1)
+
+    runner._attempt = attempt  # type: ignore[method-assign]  # the episode itself is not what is tested here
+    msg = FakeDelivery(seq=7)
+    item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
+                            produced_by="test", env="echo", task={}, group_id="b.0", group_index=0, group_size=1,
+                            sampling=SamplingParams(max_tokens=16), max_turns=1)
+    await asyncio.wait_for(runner._run_item(msg, item), 5.0)
+    assert msg.acked == 1 and leases.released_at is not None
+    assert leases.renewals_after_release == 0, "the lease was written again after its release"
+    assert "b.0.0" not in runner.running

@@ -7,7 +7,6 @@ cancels nothing."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from datetime import datetime
 
 from nats.js import JetStreamContext
@@ -15,6 +14,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from rollout_ledger.shared.kit.bus import best_effort, bucket
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.subjects import CANCEL_BUCKET
 
 log = get_logger(__name__)
@@ -58,9 +58,7 @@ class CancelWatch:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         if self._watcher is not None:
             with best_effort("stop the cancel marks' watcher"):
                 await self._watcher.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -16,8 +17,5 @@ async def drain(tasks: set[asyncio.Task[None]], timeout_s: float) -> None:
         return
     log.info("env_worker.draining", in_flight=len(tasks), timeout_s=timeout_s)
     _, pending = await asyncio.wait(set(tasks), timeout=timeout_s)
-    for task in pending:
-        task.cancel()
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
+    await cancel_and_wait(pending, raise_errors=False)
     log.info("env_worker.drained", handed_back=len(pending))

@@ -6,7 +6,6 @@ from the work item's headers), then acked, or handed back (nak) when the attempt
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from rollout_ledger.shared.errors import BusError, NewerContractError, SchemaErr
 from rollout_ledger.shared.events import EpisodeRequested, decode_as
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.kit.tracing import SpanKind, Tracing
 from rollout_ledger.shared.subjects import LEASE_TTL_S
 
@@ -47,6 +47,8 @@ class _Running:
     """When the lease was last written and the next renewal is due."""
     lost: LeaseLost | None = None
     """Set when another holder took the lease (ours expired): the episode's task is cancelled, nothing handed back."""
+    settled: bool = False
+    """Set once the item is acked or handed back: its lease is written no more and its deliveries pinged no more."""
 
 
 class EpisodeRunner:
@@ -123,9 +125,7 @@ class EpisodeRunner:
         try:
             await self._run_leased(run, item, attempt)
         finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            await cancel_and_wait(keeper)  # a plain cancel can be lost in a lease refresh: this episode hung on it
             if self.running.get(item.episode_id) is run:
                 del self.running[item.episode_id]
 
@@ -180,10 +180,14 @@ class EpisodeRunner:
         When another holder took the lease (ours expired during a long outage), cancel the episode's task."""
         while True:
             await asyncio.sleep(run.term.every_s)
+            if run.settled:
+                return
             for m in list(run.msgs):
                 # a lost ping only risks a redelivery, which the lease holds
                 with bus.best_effort("tell JetStream an item is in progress"):
                     await m.in_progress()
+            if run.settled:
+                return
             try:
                 run.revision = await self.leases.refresh(episode_id, run.lease, run.revision)
             except LeaseLost as exc:
@@ -201,6 +205,7 @@ class EpisodeRunner:
 
     async def _hand_back(self, run: _Running, episode_id: str, delay_s: float | None = None) -> None:
         """Nak the item (another attempt, here or elsewhere) and release its lease so that attempt need not wait."""
+        run.settled = True
         with bus.best_effort("nak an item to retry"):
             await run.msgs[-1].nak(delay=delay_s)
         await self.leases.release(episode_id, run.revision)
@@ -210,6 +215,7 @@ class EpisodeRunner:
         try:
             outcome = await self._attempt(run, item, attempt)
             await bus.ack_sync(run.msgs[-1], self.settings.publish_timeout_s)  # tried again through an election
+            run.settled = True
             for m in run.msgs[:-1]:
                 with bus.best_effort("ack a finished item"):
                     await m.ack()

@@ -32,6 +32,7 @@ from rollout_ledger.services.env_worker.inference_request import TurnRequests
 from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable, parse_heartbeat
 from rollout_ledger.shared.events import InferenceRequested, TurnGenerated
 from rollout_ledger.shared.kit.bus import best_effort
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.kit.tracing import Tracing
 from rollout_ledger.shared.subjects import INFER_HEARTBEAT
 
@@ -92,9 +93,7 @@ class InferenceClient:
     async def stop(self) -> None:
         await self.recovery.stop()
         if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+            await cancel_and_wait(self._reaper)
         for sub in self._subs:
             with best_effort("unsubscribe"):
                 await sub.unsubscribe()

@@ -15,7 +15,6 @@ join a copy to the request they took (``TurnRequests.resend``), instead of waiti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from rollout_ledger.services.env_worker.inference_request import TurnRequests
 from rollout_ledger.services.env_worker.inference_workers import WorkerTable
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.kit.logging import get_logger
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.subjects import EVENTS_STREAM, MSG_ID_HEADER, event_subject
 
 log = get_logger(__name__)
@@ -167,7 +167,4 @@ class TurnRecovery:
 
     async def stop(self) -> None:
         """Cancel the recoveries under way."""
-        for task in list(self._recoveries):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(list(self._recoveries))

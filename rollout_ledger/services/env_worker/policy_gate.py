@@ -26,6 +26,7 @@ from rollout_ledger.services.env_worker.metrics import EnvWorkerMetrics
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import RECHECK_S, PolicyBus, ReportMirror
 from rollout_ledger.shared.kit.runtime import ticks
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.policy_versions import (
     EnvPolicyReport,
     EnvPolicyState,
@@ -101,11 +102,7 @@ class EpisodeGate:
         """Stop following and remove this worker's report (inference workers no longer wait for it)."""
         self._stopped.set()
         tasks = [*self._tasks, *([self._supervisor] if self._supervisor is not None else [])]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(tasks, raise_errors=False)
         self._tasks.clear()
         self._supervisor = None
         await self.workers.stop()

@@ -41,6 +41,7 @@ from rollout_ledger.services.inference_worker.engine import Engine
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.policy_bus import PolicyBus, ReportMirror
 from rollout_ledger.shared.kit.runtime import ticks
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.policy_versions import (
     EnvPolicyReport,
     PolicyAnnouncement,
@@ -207,11 +208,7 @@ class PolicyFollower:
         """Stop following and take this worker's report out of ``rl_policy_workers``: a worker that stopped serves
         nothing, so admission and the env workers' drain must not count its version until the report expires."""
         self._stopped.set()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks, raise_errors=False)
         self._tasks.clear()
         if self._started:
             await self.bus.delete(POLICY_WORKERS_BUCKET, self.worker_id)

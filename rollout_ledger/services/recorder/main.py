@@ -14,6 +14,7 @@ from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.publisher import StreamPublisher
 from rollout_ledger.shared.kit.runtime import Health, Shutdown, sleep_or_stop, ticks
 from rollout_ledger.shared.kit.service import ServiceScope, run_main
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.subjects import (
     ADVISORY_CONSUMER,
     ADVISORY_STREAM,
@@ -136,10 +137,7 @@ async def run(settings: RecorderSettings, shutdown: Shutdown) -> None:
                 task.result()  # a loop that crashed takes the process down (exit non-zero)
         finally:
             health.draining = True
-            for task in tasks:
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks, raise_errors=False)
         log.info("recorder.drained")
 
 

@@ -42,6 +42,7 @@ from rollout_ledger.shared.errors import BusError
 from rollout_ledger.shared.kit.backoff import Backoff
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.settings import NatsSecurity
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.nats_auth import inbox_prefix
 from rollout_ledger.shared.subjects import (
     BUCKET_HISTORY,
@@ -463,9 +464,7 @@ async def keep_in_progress(msgs: Msg | Sequence[Msg], interval_s: float) -> Asyn
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
 
 def delivery_attempt(msg: Msg) -> int:

@@ -20,7 +20,6 @@ says how a reply resolves its future (``resolve``) and what a timeout or NATS's 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -30,6 +29,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from rollout_ledger.shared.kit.bus import best_effort
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.subjects import NO_RESPONDERS_STATUS, STATUS_HEADER
 
 T = TypeVar("T")
@@ -93,9 +93,7 @@ class ReplyInbox(Generic[T]):
     async def stop(self, error: Callable[[], Exception]) -> None:
         """Stop listening; requests still waiting fail with ``error()``."""
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await cancel_and_wait(self._sweeper)
             self._sweeper = None
         if self._sub is not None:
             with best_effort("unsubscribe the reply inbox"):

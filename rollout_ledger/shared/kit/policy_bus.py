@@ -28,6 +28,7 @@ from rollout_ledger.shared.kit.bus import best_effort, bus_errors
 from rollout_ledger.shared.kit.bus import bucket as bus_bucket
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.runtime import sleep_or_stop
+from rollout_ledger.shared.kit.tasks import cancel_and_wait
 from rollout_ledger.shared.policy_versions import PolicyAnnouncement, read_value
 from rollout_ledger.shared.subjects import BUCKET_TTL_S, POLICY_BUCKET, POLICY_KEY
 
@@ -173,9 +174,7 @@ class ReportMirror(Generic[_M]):
     async def stop(self) -> None:
         self._stopped.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait(self._task, raise_errors=False)
             self._task = None
 
     async def wait_until(self, done: Callable[[dict[str, _M]], bool], timeout_s: float | None) -> bool:
