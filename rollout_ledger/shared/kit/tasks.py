@@ -34,6 +34,6 @@ async def cancel_and_wait(tasks: asyncio.Future[Any] | Iterable[asyncio.Future[A
             task.cancel()
         await asyncio.wait(running, timeout=recancel_s)
         running = [t for t in running if not t.done()]
-    errors = [t.exception() for t in batch if not t.cancelled() and t.exception() is not None]
+    errors = [exc for t in batch if not t.cancelled() and (exc := t.exception()) is not None]
     if errors and raise_errors:
-        raise errors[0]  # type: ignore[misc]  # an exception, not None (filtered above)
+        raise errors[0]
