@@ -80,9 +80,10 @@ async def test_a_delivery_is_kept_in_progress_while_its_lease_request_hangs() ->
     # each request hangs longer than the ack wait: without pings the item would be delivered again meanwhile
     leases = FakeLeases(hang_s=2 * ACK_WAIT_S)
     msg = FakeMsg()
+    runner = _runner(leases)  # built before the clock starts: its settings and metrics are not the claim's time
     loop = asyncio.get_running_loop()
     started = loop.time()
-    run = await _runner(leases)._claim(msg, "b.0.0", Lease("w", "r", 7, 1))
+    run = await runner._claim(msg, "b.0.0", Lease("w", "r", 7, 1))
     ended = loop.time()
     assert run is not None and run.lease.seq == 7
     assert leases.refreshed == [1] and run.revision == 2, "taken long before the claim ended: written again"
@@ -93,9 +94,10 @@ async def test_a_delivery_is_kept_in_progress_while_its_lease_request_hangs() ->
 async def test_a_delivery_is_kept_in_progress_while_the_lease_bucket_fails() -> None:
     leases = FakeLeases(hang_s=ACK_WAIT_S / 2, fail=3)
     msg = FakeMsg()
+    runner = _runner(leases)  # built before the clock starts: its settings and metrics are not the claim's time
     loop = asyncio.get_running_loop()
     started = loop.time()
-    run = await _runner(leases)._claim(msg, "b.0.0", Lease("w", "r", 7, 1))
+    run = await runner._claim(msg, "b.0.0", Lease("w", "r", 7, 1))
     ended = loop.time()
     assert run is not None and leases.fail == 0
     assert _longest_silence(started, ended, msg.pings) < ACK_WAIT_S, msg.pings
