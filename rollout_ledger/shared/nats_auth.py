@@ -165,10 +165,12 @@ def permission_table() -> dict[str, Permissions]:
                      *_kv_write(sj.ENVS_BUCKET), *_kv_write(sj.POLICY_ENV_BUCKET), *_kv_write(sj.LEASE_BUCKET),
                      *_kv_write(sj.ENV_WORKERS_BUCKET),
                      *_kv_read(sj.CANCEL_BUCKET), *_kv_read(sj.POLICY_BUCKET), *_kv_read(sj.POLICY_WORKERS_BUCKET)),
-            subscribe=(f"{inbox_prefix(ENV_WORKER)}.>", sj.INFER_HEARTBEAT),
+            subscribe=(f"{inbox_prefix(ENV_WORKER)}.>", sj.INFER_HEARTBEAT,
+                       sj.infer_progress_subject("*")),  # its requests still generated (inference_request.py)
         ),
         INFERENCE_WORKER: Permissions(
             publish=(*_topology(update=False), *_events(INFERENCE_WORKER), sj.INFER_HEARTBEAT,
+                     sj.infer_progress_subject("*"),  # a request held here is still being generated
                      *_kv_write(sj.POLICY_WORKERS_BUCKET),
                      *_kv_read(sj.POLICY_BUCKET), *_kv_read(sj.POLICY_ENV_BUCKET)),
             subscribe=(f"{inbox_prefix(INFERENCE_WORKER)}.>", sj.INFER_ANY, sj.infer_worker_subject("*"),

@@ -125,6 +125,20 @@ ERROR_HEADER = "Rollout-Error"
 """Reply header naming the error class of a failed request (an inference worker's error reply)."""
 RETRYABLE_HEADER = "Rollout-Retryable"
 """Reply header: ``true`` when another try (possibly on another worker) can succeed, else ``false``."""
+PROGRESS_TO_HEADER = "Rollout-Progress-To"
+"""Request header: the requester's progress subject (``infer_progress_subject``). The worker that takes the request
+publishes there, every ``PROGRESS_EVERY_HEADER`` seconds until it answers, that it still holds the request (a
+progress message: the reply subjects of the requests it holds for that requester, one a line). Such a requester
+waits ``request_timeout_s`` from the last sign of life instead of from the send, so a turn that takes longer than
+that on a slow but live worker finishes instead of being cut and started again from nothing. A request without it
+(an older requester) gets no progress; a worker of an older release sends none, and its requester waits from the
+send as before. Progress goes to a subject of its own, not to the reply subject: a worker may answer a request once
+(``allow_responses``), and the requester's reply inbox takes the first message as the reply."""
+PROGRESS_EVERY_HEADER = "Rollout-Progress-Every"
+"""Request header: seconds between two progress messages about the request (with ``PROGRESS_TO_HEADER``)."""
+PROGRESS_MIN_S = 0.25
+"""The shortest progress interval a worker honours (a smaller ``PROGRESS_EVERY_HEADER`` is raised to it); also how
+often its progress loop looks for requests due a message."""
 PARKED_HEADER = "Rollout-Parked"
 """On a work item handed back by a worker of an older contract major: how many times it was handed back (its
 ``Nats-Msg-Id`` gets ``:parked<n>`` so the copy is not deduplicated against the original)."""
@@ -132,6 +146,29 @@ STATUS_HEADER = "Status"
 """NATS's status header on a reply the server generated."""
 NO_RESPONDERS_STATUS = "503"
 """``Status`` of NATS's reply to a request nobody subscribes to."""
+
+
+def progress_asked(headers: dict[str, str] | None) -> tuple[str, float] | None:
+    """``(progress subject, interval)`` of a request that asks for progress: a subject under ``INFER_PROGRESS`` and a
+    positive finite number of seconds (at least ``PROGRESS_MIN_S``); None when it asks for none or asks in a way
+    this code does not read (a worker never publishes progress anywhere else)."""
+    if headers is None:
+        return None
+    to, raw = headers.get(PROGRESS_TO_HEADER), headers.get(PROGRESS_EVERY_HEADER)
+    if to is None or raw is None or not to.startswith(f"{INFER_PROGRESS}.") \
+            or not _one_token(to[len(INFER_PROGRESS) + 1:]):
+        return None
+    try:
+        every_s = float(raw)
+    except ValueError:
+        return None
+    if not every_s > 0 or every_s == float("inf"):
+        return None
+    return to, max(every_s, PROGRESS_MIN_S)
+
+
+def _one_token(token: str) -> bool:
+    return bool(token) and not any(c in token for c in ".*> \t\r\n")
 
 
 def error_headers(error_class: str, retryable: bool) -> dict[str, str]:
@@ -146,6 +183,16 @@ def infer_worker_subject(worker_id: str) -> str:
 
 POLICY_POOL = "policy"
 """The model pool of the policy's inference workers (``ROLLOUT_POOL``'s default)."""
+
+
+INFER_PROGRESS = "rl.infer.progress"
+"""Prefix of the requesters' progress subjects (``PROGRESS_TO_HEADER``)."""
+
+
+def infer_progress_subject(requester: str) -> str:
+    """The subject on which the requester ``requester`` (one token, unique per client) hears of its requests'
+    progress."""
+    return f"{INFER_PROGRESS}.{requester}"
 
 
 def infer_pool_subject(pool: str) -> str:

@@ -304,16 +304,42 @@ async def test_drain_timeout_aborts_and_answers_retryable(nc: bus.NATS, nats_url
     assert time.perf_counter() - t0 < 5
 
 
+async def test_a_try_longer_than_its_timeout_finishes_while_its_worker_says_it_holds_it(
+        nc: bus.NATS, nats_url: str, model_dir: str, heartbeats: Heartbeats) -> None:
+    """A turn that takes 3x the client's ``request_timeout_s`` on a live worker (a long turn on a slow CPU) is
+    not cut and generated again from nothing: the worker says every quarter of the timeout that it still generates
+    it, each such message moves the try's deadline, and the turn comes on the first try."""
+    from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
+
+    settings = make_settings(nats_url, model_dir, fake_delay_s=6.0)
+    retries: list[int] = []
+    client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=2.0, max_tries=2, backoff_initial_s=0.01),
+                             on_retry=lambda: retries.append(1))
+    await client.start()
+    try:
+        async with worker(settings, heartbeats):
+            await until(lambda: settings.worker_id in client.workers, what="client sees the worker")
+            t0 = time.perf_counter()
+            turn = await client.generate(lambda t: request_for(model_dir, try_=t))
+            assert time.perf_counter() - t0 >= 6.0  # it did outlive the timeout, three times over
+            assert turn.request_id.endswith(":r1") and not retries, "one try, never cut"
+            assert turn.worker_id == settings.worker_id
+    finally:
+        await client.stop()
+
+
 async def test_a_try_that_timed_out_is_aborted_on_the_worker_still_generating_it(
         nc: bus.NATS, nats_url: str, model_dir: str, heartbeats: Heartbeats) -> None:
-    """The env worker's client gives up on a try after ``request_timeout_s`` and tries again (here on the same
-    worker, through ``INFER_ANY``): the worker, still generating the first try, aborts it when the client cancels
-    it, instead of generating for nobody until the engine ends (a 30 s fake generation here)."""
+    """A client that asks for no progress (as an env worker of an older release) gives up on a try after
+    ``request_timeout_s`` and tries again (here on the same worker, through ``INFER_ANY``): the worker, still
+    generating the first try, aborts it when the client cancels it, instead of generating for nobody until the
+    engine ends (a 30 s fake generation here)."""
     from rollout_ledger.services.env_worker.inference_client import InferenceClient, InferenceClientConfig
     from rollout_ledger.shared.errors import InferenceError
 
     settings = make_settings(nats_url, model_dir, fake_delay_s=30.0)
-    client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=0.5, max_tries=2, backoff_initial_s=0.01))
+    client = InferenceClient(nc, InferenceClientConfig(request_timeout_s=0.5, max_tries=2, backoff_initial_s=0.01,
+                                                       ask_progress=False))
     await client.start()
     try:
         async with worker(settings, heartbeats):

@@ -202,8 +202,10 @@ def test_services_complete_a_batch_as_their_own_users(secured: PrivateNats, data
     assert all(env["ROLLOUT_NATS_USER"] == service for service, env in service_env.items())
     with Stack(secured.url, database_url, tmp_path / "logs", env={"ROLLOUT_MODEL": model_dir},
                service_env=service_env, api_token=API_TOKEN) as stack:
-        stack.start("inference-worker", name="inf-a", ROLLOUT_ENGINE="fake")
-        stack.start("env-worker")
+        # each turn takes longer than the env worker's request timeout: it is the inference worker's progress on
+        # the env worker's progress subject (both as their own users) that keeps the tries from timing out
+        stack.start("inference-worker", name="inf-a", ROLLOUT_ENGINE="fake", ROLLOUT_FAKE_DELAY_S="1.5")
+        stack.start("env-worker", ROLLOUT_INFERENCE_REQUEST_TIMEOUT_S="1.0", ROLLOUT_INFERENCE_MAX_TRIES="1")
         stack.start("recorder")
         url = stack.start("scheduler").url
         batch_id = post(url, env="fixed-turns", tasks=[{"turns": 2}] * 3, group_size=2, max_turns=2,

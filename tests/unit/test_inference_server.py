@@ -1,10 +1,12 @@
 """The inference worker's server against real NATS (the fake engine): a request sent again with the same id (a
 requester's recovery after a NATS restart) joins the one the worker took, in flight or answered, and is never
-generated twice; one whose first copy ended in an error reply is a request of its own again; heartbeats say so."""
+generated twice; one whose first copy ended in an error reply is a request of its own again; heartbeats say so. A
+request that asks for progress hears from the worker while it is generated, one that does not hears only its reply."""
 
 from __future__ import annotations
 
 import asyncio
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,16 @@ from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
 from rollout_ledger.services.inference_worker.server import InferenceServer, TakenRequests, WorkerIdentity
 from rollout_ledger.shared.events import InferenceRequested, SamplingParams, TurnGenerated, decode_as, encode
 from rollout_ledger.shared.kit import bus
-from rollout_ledger.shared.subjects import ERROR_HEADER, INFER_CANCEL, infer_worker_subject
+from rollout_ledger.shared.subjects import (
+    ERROR_HEADER,
+    INFER_CANCEL,
+    PROGRESS_EVERY_HEADER,
+    PROGRESS_MIN_S,
+    PROGRESS_TO_HEADER,
+    infer_progress_subject,
+    infer_worker_subject,
+    progress_asked,
+)
 from tests.helpers import until
 
 DELAY_S = 3.0
@@ -144,3 +155,63 @@ def test_the_same_id_to_another_reply_subject_is_not_a_copy() -> None:
     assert taken.take("a", "inbox.1", now=0.0)
     assert taken.is_copy("a", "inbox.1") and not taken.is_copy("a", "inbox.2")
     assert taken.take("a", "inbox.2", now=1.0) and taken.is_copy("a", "inbox.2")
+
+
+async def test_a_request_asking_for_progress_is_named_on_its_progress_subject_until_its_reply(
+        nc: bus.NATS, served: Any, replies: Any) -> None:
+    """Every ``Rollout-Progress-Every`` seconds while the worker holds the request, a message on the requester's
+    progress subject names its reply subject; the reply subject gets only the reply, and once it came the request
+    is due no progress again."""
+    srv, metrics = served
+    inbox, got = replies
+    progress: list[tuple[float, bytes]] = []
+
+    async def take(m: Msg) -> None:
+        progress.append((asyncio.get_running_loop().time(), m.data))
+
+    to = infer_progress_subject("req1")
+    sub = await nc.subscribe(to, cb=take)
+    try:
+        sent = asyncio.get_running_loop().time()
+        await nc.publish(infer_worker_subject("w-resend"), encode(request("b.0.0:a1:t3:r1")), reply=inbox,
+                         headers={PROGRESS_TO_HEADER: to, PROGRESS_EVERY_HEADER: "0.5"})
+        await until(lambda: count(metrics, "ok") == 1, 2 * DELAY_S + 5.0)
+        await nc.flush()
+        await until(lambda: len(got) == 1, 5.0, "the reply")
+        replied = asyncio.get_running_loop().time()
+    finally:
+        await sub.unsubscribe()
+    assert decode_as(got[0].data, TurnGenerated).request_id == "b.0.0:a1:t3:r1"
+    assert progress and {data for _, data in progress} == {inbox.encode()}
+    # held DELAY_S (3 s), named every 0.5 s on a 0.25 s tick: never silent for long while it was held
+    marks = [sent] + [at for at, _ in progress] + [replied]
+    assert len(progress) >= 2 and max(b - a for a, b in pairwise(marks)) < DELAY_S
+    assert await srv.say_progress(float("inf")) == 0  # answered: nothing is due for it any more
+
+
+async def test_a_request_without_progress_hears_only_its_reply(nc: bus.NATS, served: Any, replies: Any) -> None:
+    """An older requester asks for no progress: none is sent for its request."""
+    srv, metrics = served
+    inbox, got = replies
+    await nc.publish(infer_worker_subject("w-resend"), encode(request("b.0.0:a1:t4:r1")), reply=inbox)
+    await until(lambda: srv.inflight == 1, 5.0)
+    assert await srv.say_progress(float("inf")) == 0  # held, but nobody asked to hear of it
+    await until(lambda: count(metrics, "ok") == 1, 2 * DELAY_S + 5.0)
+    await nc.flush()
+    await until(lambda: len(got) == 1, 5.0)
+    assert decode_as(got[0].data, TurnGenerated).request_id == "b.0.0:a1:t4:r1"
+
+
+def test_progress_is_asked_with_a_subject_of_its_own_and_an_interval() -> None:
+    to = infer_progress_subject("req1")
+    assert progress_asked(None) is None and progress_asked({}) is None
+    assert progress_asked({PROGRESS_TO_HEADER: to, PROGRESS_EVERY_HEADER: "30"}) == (to, 30.0)
+    # raised to the loop's tick
+    assert progress_asked({PROGRESS_TO_HEADER: to, PROGRESS_EVERY_HEADER: "0.001"}) == (to, PROGRESS_MIN_S)
+    assert progress_asked({PROGRESS_EVERY_HEADER: "30"}) is None  # nowhere to say it
+    for bad in ("", "soon", "0", "-1", "nan", "inf"):
+        assert progress_asked({PROGRESS_TO_HEADER: to, PROGRESS_EVERY_HEADER: bad}) is None, bad
+    # a worker never publishes progress outside the progress subjects, whatever a request names
+    for elsewhere in ("rl.events.turn.generated", "rl.infer.progress", "rl.infer.progress.", "rl.infer.progress.>",
+                      "rl.infer.progress.a.b", "rl.infer.progress.*", "_INBOX.x"):
+        assert progress_asked({PROGRESS_TO_HEADER: elsewhere, PROGRESS_EVERY_HEADER: "1"}) is None, elsewhere

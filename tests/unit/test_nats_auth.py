@@ -91,6 +91,10 @@ def test_inference_requests_and_replies() -> None:
     assert publishers(subjects.INFER_HEARTBEAT) == {INFERENCE_WORKER}
     assert {u for u in USERS if may_subscribe(u, subjects.INFER_ANY)} == {INFERENCE_WORKER}
     assert {u for u in USERS if may_subscribe(u, subjects.INFER_HEARTBEAT)} == {ENV_WORKER}
+    # progress: an inference worker tells a requester its request is still held, on the requester's own subject
+    progress = subjects.infer_progress_subject("abc123")
+    assert publishers(progress) == {INFERENCE_WORKER}
+    assert {u for u in USERS if may_subscribe(u, progress)} == {ENV_WORKER}
     assert [u for u, p in permission_table().items() if p.allow_responses] == [INFERENCE_WORKER, RECORDER]
 
 

@@ -49,6 +49,9 @@ class InferenceClientConfig:
     backoff_max_s: float = 2.0
     """Longest pause between tries."""
     heartbeat_timeout_s: float = 3.0
+    ask_progress: bool = True
+    """Ask workers for signs of life while they generate a try, and wait ``request_timeout_s`` from the last one
+    (inference_request.py); False: wait from the send, as a requester of an older release does."""
 
 
 class InferenceClient:
@@ -66,7 +69,8 @@ class InferenceClient:
         self.requests = TurnRequests(
             nc, self.table, request_timeout_s=config.request_timeout_s, max_tries=config.max_tries,
             backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s,
-            on_retry=on_retry or (lambda: None), on_latency=on_latency or (lambda _s: None), tracing=self.tracing)
+            on_retry=on_retry or (lambda: None), on_latency=on_latency or (lambda _s: None), tracing=self.tracing,
+            ask_progress=config.ask_progress)
         self.recovery = TurnRecovery(nc, self.table, self.requests, config.request_timeout_s)
         self._first_heartbeat = asyncio.Event()
         self._subs: list[Subscription] = []

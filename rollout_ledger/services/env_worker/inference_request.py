@@ -5,6 +5,14 @@ Requests and replies are msgpack events (``shared/events.encode``): ``InferenceR
 back, or an error reply with headers ``Rollout-Error`` (class name) and ``Rollout-Retryable`` (``true``/``false``)
 and the message as body. Replies come back through a ``ReplyInbox`` (shared/kit/inbox.py: one wildcard
 subscription, one deadline sweeper, no timer or task per request), so a try can also be failed from outside.
+
+A try waits ``request_timeout_s`` from its worker's last sign of life, not from its send: each request asks its
+worker (headers ``Rollout-Progress-To``, this client's progress subject, and ``Rollout-Progress-Every``, a
+``PROGRESS_SHARE`` of the timeout) to say that it still generates it, and each such message moves the try's
+deadline. A turn that takes longer than the timeout on a
+slow but live worker (a long turn on a CPU, a turn held by a weight swap) finishes on its first try instead of being
+cut and generated again from nothing; a try whose request or worker was lost still fails at its timeout. A worker of
+an older release sends no progress: its tries wait from the send, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Protocol
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from rollout_ledger.services.env_worker.inference_workers import WorkerState, WorkerTable, choose
 from rollout_ledger.shared.errors import InferenceError, NewerContractError, SchemaError
@@ -25,9 +34,22 @@ from rollout_ledger.shared.kit.bus import best_effort
 from rollout_ledger.shared.kit.inbox import ReplyInbox
 from rollout_ledger.shared.kit.logging import get_logger
 from rollout_ledger.shared.kit.tracing import Tracing
-from rollout_ledger.shared.subjects import ERROR_HEADER, INFER_ANY, INFER_CANCEL, RETRYABLE_HEADER, infer_pool_subject
+from rollout_ledger.shared.subjects import (
+    ERROR_HEADER,
+    INFER_ANY,
+    INFER_CANCEL,
+    PROGRESS_EVERY_HEADER,
+    PROGRESS_TO_HEADER,
+    RETRYABLE_HEADER,
+    infer_pool_subject,
+    infer_progress_subject,
+)
 
 log = get_logger(__name__)
+
+PROGRESS_SHARE = 0.25
+"""A worker says it still generates a try every this share of ``request_timeout_s``: three progress messages in a
+row may be lost before a live try times out."""
 
 
 class TurnSource(Protocol):
@@ -62,7 +84,7 @@ class TurnRequests:
 
     def __init__(self, nc: NATS, table: WorkerTable, *, request_timeout_s: float, max_tries: int,
                  backoff_initial_s: float, backoff_max_s: float, on_retry: Callable[[], None],
-                 on_latency: Callable[[float], None], tracing: Tracing) -> None:
+                 on_latency: Callable[[float], None], tracing: Tracing, ask_progress: bool = True) -> None:
         self.nc = nc
         self.table = table
         self.max_tries = max_tries
@@ -71,9 +93,18 @@ class TurnRequests:
         self.tracing = tracing
         self._on_retry = on_retry
         self._on_latency = on_latency
+        self.progress_subject = infer_progress_subject(nc.new_inbox().rsplit(".", 1)[-1]) if ask_progress else None
+        """Where this client hears that its requests are still generated (``ask_progress=False``: nowhere, as a
+        requester of an older release)."""
+        self._progress_headers = {} if self.progress_subject is None else {
+            PROGRESS_TO_HEADER: self.progress_subject,
+            PROGRESS_EVERY_HEADER: f"{request_timeout_s * PROGRESS_SHARE:g}"}
+        """Sent with every request."""
+        self._progress_sub: Subscription | None = None
+        silence = "reply" if self.progress_subject is None else "reply or sign of life"
         self._inbox: ReplyInbox[Msg] = ReplyInbox(
             nc, request_timeout_s, resolve=lambda fut, msg: fut.set_result(msg),
-            on_timeout=lambda subject: TryFailed(f"no reply from {subject} within {request_timeout_s}s"),
+            on_timeout=lambda subject: TryFailed(f"no {silence} from {subject} within {request_timeout_s}s"),
             on_no_responders=lambda _subject: TryFailed("no responders"))
         self.waiting_any: set[asyncio.Future[Msg]] = set()
         """Tries sent to ``INFER_ANY``: whoever took them is unknown, so any worker's death fails them over."""
@@ -83,10 +114,21 @@ class TurnRequests:
         """What each try waiting on a known worker sent, by request id (``resend``)."""
 
     async def start(self) -> None:
+        if self.progress_subject is not None and self._progress_sub is None:
+            self._progress_sub = await self.nc.subscribe(self.progress_subject, cb=self._on_progress)
         await self._inbox.start()
 
     async def stop(self) -> None:
+        if self._progress_sub is not None:
+            with best_effort("unsubscribe from progress"):
+                await self._progress_sub.unsubscribe()
+            self._progress_sub = None
         await self._inbox.stop(lambda: TryFailed("inference client stopped"))
+
+    async def _on_progress(self, msg: Msg) -> None:
+        """A worker still holds the requests whose reply subjects it lists: each waits a full timeout again."""
+        for reply in msg.data.decode(errors="replace").splitlines():
+            self._inbox.extend(reply)
 
     def fail_over(self, dead: Iterable[WorkerState]) -> None:
         """Fail the tries waiting on reaped workers, and every try sent to ``INFER_ANY``: the dead worker may have
@@ -103,7 +145,7 @@ class TurnRequests:
                            request_id: str = "") -> Msg:
         """One try: publish the request and wait for its reply, the worker's loss, or the timeout (``expire``)."""
         token, reply, fut = self._inbox.open(subject)
-        headers: dict[str, str] | None = self.tracing.inject({}) if self.tracing.enabled else None
+        headers = self.tracing.inject(dict(self._progress_headers)) or None
         if request_id:
             self.by_request[request_id] = fut
             if worker is not None:

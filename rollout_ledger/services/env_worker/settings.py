@@ -25,7 +25,9 @@ class EnvWorkerSettings(ConsumerSettings):
     """Context length of the policy: a turn gets ``min(sampling.max_tokens, room left)`` new tokens; no room
     left truncates the episode (stop reason ``context_length``)."""
     inference_request_timeout_s: float = Field(120.0, gt=0)
-    """One inference try gives up after this long without a reply (a dead worker is noticed sooner)."""
+    """One inference try gives up after this long without a reply or a sign of life from its worker (a live worker
+    says every quarter of it that it still generates the turn, so a long turn is not cut; a dead worker is noticed
+    sooner, by its heartbeats)."""
     inference_max_tries: int = Field(3, ge=1)
     """Tries per turn (each may go to another worker) before the episode fails with class ``inference``."""
     inference_backoff_s: float = Field(0.2, ge=0)

@@ -19,6 +19,12 @@ within a deadline and aborts the rest (answered retryable, so the requester trie
 that stops waiting (its episode's deadline passed) publishes the request id on ``INFER_CANCEL``; the worker
 running it aborts it in the engine, so no turn is generated or recorded for it.
 
+Progress. A request whose headers ask for it (``Rollout-Progress-To``: the requester's progress subject,
+``Rollout-Progress-Every``: seconds) is named that often on that subject while this worker holds it (waiting for a
+weight swap, generating, storing), until its reply: its requester then waits for a silent worker, not for a slow
+one. One loop sends them all (``PROGRESS_MIN_S`` a tick, no task per request), one message per requester and tick
+listing the reply subjects of its requests that are due.
+
 Model pools. A worker of the pool ``policy`` (the default) does all of the above and also answers requests
 addressed to its pool (``infer_pool_subject("policy")``). A worker of any other pool (a simulated user's model)
 subscribes only to ``infer_pool_subject(pool)`` (and ``INFER_CANCEL``): no heartbeat, so env workers never route
@@ -67,9 +73,11 @@ from rollout_ledger.shared.subjects import (
     INFER_HEARTBEAT,
     INFER_QUEUE,
     POLICY_POOL,
+    PROGRESS_MIN_S,
     error_headers,
     infer_pool_subject,
     infer_worker_subject,
+    progress_asked,
 )
 
 log = get_logger(__name__)
@@ -192,6 +200,10 @@ class InferenceServer:
         self.taken = TakenRequests()
         """The request ids in flight or answered: a copy sent again is joined, not generated twice."""
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._progress: dict[str, tuple[str, str, float, float]] = {}
+        """Request id -> (progress subject, reply subject, interval, when it is next due) of the requests held here
+        whose requester asked for progress."""
+        self._progress_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         metrics.oldest_generation.set_function(self.oldest_generation_s)
 
@@ -216,6 +228,7 @@ class InferenceServer:
             self._subs.append(await self.nc.subscribe(INFER_ANY, queue=INFER_QUEUE, cb=self._on_request))
             await self.heartbeat()
             self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+        self._progress_task = asyncio.create_task(self._progress_loop())
         log.info("inference.serving", subject=self.identity.subject, pool=self.identity.pool, engine=self.engine.name,
                  max_inflight=self.identity.max_inflight)
 
@@ -249,6 +262,23 @@ class InferenceServer:
         async for _ in ticks(self._stopped, self.identity.heartbeat_s, at_once=False):  # the first went out at start
             await self.heartbeat()
 
+    async def _progress_loop(self) -> None:
+        async for _ in ticks(self._stopped, PROGRESS_MIN_S, at_once=False):
+            await self.say_progress(time.monotonic())
+
+    async def say_progress(self, now: float) -> int:
+        """Tell the requesters of the requests whose progress is due at ``now`` that each is still held here (one
+        message per requester); how many requests were named."""
+        due: dict[str, list[str]] = {}
+        for request_id, (to, reply, every_s, at) in self._progress.items():
+            if at <= now:
+                due.setdefault(to, []).append(reply)
+                self._progress[request_id] = (to, reply, every_s, now + every_s)
+        for to, replies in due.items():
+            with bus.best_effort("publish a progress message"):  # a lost one is covered by the next ones
+                await self.nc.publish(to, "\n".join(replies).encode())
+        return sum(len(replies) for replies in due.values())
+
     async def drain(self, timeout_s: float) -> None:
         """Announce draining, stop taking requests, finish in-flight ones within ``timeout_s``, abort the rest."""
         self.draining = True
@@ -270,6 +300,8 @@ class InferenceServer:
         self._stopped.set()
         if self._heartbeat_task is not None:
             await self._heartbeat_task
+        if self._progress_task is not None:
+            await self._progress_task
         await self.publisher.stop()
         with bus.best_effort("flush"):
             await self.nc.flush(timeout=5)
@@ -357,6 +389,10 @@ class InferenceServer:
             request_log(request).info("inference.resent_request_joined")
             return
         answered = False
+        asked = progress_asked(msg.headers)
+        if asked is not None:
+            to, every_s = asked
+            self._progress[request.request_id] = (to, msg.reply, every_s, time.monotonic() + every_s)
         try:
             parent = self.tracing.extract(msg.headers)
             if parent is None:
@@ -373,6 +409,7 @@ class InferenceServer:
             request_log(request).exception("inference.internal_error")
             await self._reply_error(msg, type(exc).__name__, False, str(exc))
         finally:
+            self._progress.pop(request.request_id, None)
             if not answered:  # an error reply: a copy sent again is a request of its own
                 self.taken.forget(request.request_id)
 

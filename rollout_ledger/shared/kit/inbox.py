@@ -13,6 +13,11 @@ restart of a cluster) while the client reconnected to another. An inbox given ``
 opened before a reconnect with that error as soon as the sweeper sees the client's reconnect count grow (its next
 tick), so its owner can send them again at once instead of waiting out their timeout; without it they wait.
 
+A request may take longer than the timeout and still be alive: its owner, told so (the inference worker says every
+few seconds that it still generates a turn: ``PROGRESS_TO_HEADER`` in shared/subjects.py), calls ``extend`` with the
+request's reply subject, which moves its deadline to a full timeout from now. The moved request goes to the back of
+the deadline order, where its new deadline belongs.
+
 Used by ``publisher.StreamPublisher`` (stream acks) and the env worker's inference client (turn replies); each
 says how a reply resolves its future (``resolve``) and what a timeout or NATS's no-responders reply raises.
 """
@@ -155,6 +160,19 @@ class ReplyInbox(Generic[T]):
             await asyncio.sleep(interval)
             self.reconnected()
             self.sweep()
+
+    def extend(self, reply: str) -> bool:
+        """A sign of life of the request whose reply subject is ``reply``: its deadline is a full timeout from now;
+        whether it still waits."""
+        if not self._prefix or not reply.startswith(self._prefix):
+            return False
+        token = reply[len(self._prefix):]
+        entry = self._waiting.pop(token, None)
+        if entry is None or entry[0].done():
+            return False
+        fut, _, label = entry
+        self._waiting[token] = (fut, asyncio.get_running_loop().time() + self.timeout_s, label)
+        return True
 
     async def _on_reply(self, msg: Msg) -> None:
         entry = self._waiting.pop(msg.subject[len(self._prefix):], None)
