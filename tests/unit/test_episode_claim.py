@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 
 from rollout_ledger.services.env_worker.attempt import AttemptDeps, AttemptOutcome
 from rollout_ledger.services.env_worker.episode_runner import EpisodeRunner
-from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Lease, LeaseTerm
+from rollout_ledger.services.env_worker.leases import Claim, EpisodeLeases, Lease, LeaseLost, LeaseTerm
 from rollout_ledger.services.env_worker.metrics import build_metrics
 from rollout_ledger.services.env_worker.settings import EnvWorkerSettings
 from rollout_ledger.shared.errors import BusError
@@ -174,3 +174,44 @@ async def test_an_episode_ends_though_its_lease_keeper_missed_the_cancellation()
     assert msg.acked == 1 and leases.released_at is not None
     assert leases.renewals_after_release == 0, "the lease was written again after its release"
     assert "b.0.0" not in runner.running
+
+
+class TakenLeases(RacingLeases):
+    """A bucket in which another holder took the lease (ours expired in a long outage): every renewal says so."""
+
+    async def refresh(self, episode_id: str, lease: Lease, revision: int) -> int:
+        raise LeaseLost(Lease("other", "r", lease.seq, lease.attempt + 1))
+
+
+async def test_an_episode_fenced_out_stops_though_it_missed_the_cancellation() -> None:
+    """Another holder took the lease: the keeper cancels the episode. The attempt loses that cancellation, as an
+    awaited nats-py request does on Python 3.11 when its reply lands with it, and would run on beside the new holder;
+    it is cancelled again until it stops, and it hands nothing back (the new holder runs the episode)."""
+    leases = TakenLeases()
+    runner = _runner(leases)
+    lost: list[int] = []
+
+    async def attempt(run: object, item: EpisodeRequested, attempt: int) -> AttemptOutcome:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:  # lost, as 3.11's wait_for loses it
+            lost.append(1)
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
+        await asyncio.sleep(30)  # runs on, beside the new holder
+        return AttemptOutcome("completed", 1)
+
+    runner._attempt = attempt  # type: ignore[method-assign]  # the episode itself is not what is tested here
+    msg = FakeDelivery(seq=8)
+    item = EpisodeRequested(event_id="b.0.1:requested", episode_id="b.0.1", batch_id="b", attempt=1, seq=0,
+                            produced_by="test", env="echo", task={}, group_id="b.0", group_index=1, group_size=1,
+                            sampling=SamplingParams(max_tokens=16), max_turns=1)
+    running = asyncio.create_task(runner._run_item(msg, item))
+    # not wait_for: on 3.11 it returns a task that ends normally after its own timeout's cancellation (this one does)
+    done, _ = await asyncio.wait({running}, timeout=10.0)
+    assert done, "the episode ran on beside the new holder"
+    await running
+    assert lost == [1], "the first cancellation was lost"
+    assert msg.acked == 0 and leases.released_at is None, "fenced out: nothing acked, released or handed back"
+    assert "b.0.1" not in runner.running

@@ -125,9 +125,11 @@ class EpisodeRunner:
         try:
             await self._run_leased(run, item, attempt)
         finally:
-            await cancel_and_wait(keeper)  # a plain cancel can be lost in a lease refresh: this episode hung on it
-            if self.running.get(item.episode_id) is run:
-                del self.running[item.episode_id]
+            try:
+                await cancel_and_wait(keeper)  # a plain cancel can be lost in a lease refresh: this episode hung on it
+            finally:  # even when a cancellation of the keeper's (fenced out) lands here: the episode is over
+                if self.running.get(item.episode_id) is run:
+                    del self.running[item.episode_id]
 
     async def _claim(self, msg: Msg, episode_id: str, lease: Lease) -> _Running | None:
         """Take the episode's lease for this delivery. While a live holder has it (the episode runs elsewhere: this
@@ -193,7 +195,9 @@ class EpisodeRunner:
             except LeaseLost as exc:
                 run.lost = exc
                 log.warning("episode.lease_lost", episode_id=episode_id, attempt=run.lease.attempt, error=str(exc))
-                task.cancel()
+                # cancelled again until it stops: a cancellation landing with a request's reply is lost on 3.11, and
+                # the episode would run on beside the new holder (its end, _run_item's, cancels this keeper)
+                await cancel_and_wait(task, raise_errors=False)
                 return
             except BusError as exc:  # NATS reconnecting: the next tick writes it again
                 # past the TTL the bucket has dropped the lease: the next write that succeeds takes it again or
