@@ -18,6 +18,7 @@ an older release sends no progress: its tries wait from the send, as before.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -93,7 +94,7 @@ class TurnRequests:
         self.tracing = tracing
         self._on_retry = on_retry
         self._on_latency = on_latency
-        self.progress_subject = infer_progress_subject(nc.new_inbox().rsplit(".", 1)[-1]) if ask_progress else None
+        self.progress_subject = infer_progress_subject(uuid.uuid4().hex) if ask_progress else None
         """Where this client hears that its requests are still generated (``ask_progress=False``: nowhere, as a
         requester of an older release)."""
         self._progress_headers = {} if self.progress_subject is None else {
