@@ -15,7 +15,12 @@ from nats.aio.msg import Msg
 
 from rollout_ledger.services.inference_worker.fake_engine import FakeEngine
 from rollout_ledger.services.inference_worker.metrics import InferenceMetrics
-from rollout_ledger.services.inference_worker.server import InferenceServer, TakenRequests, WorkerIdentity
+from rollout_ledger.services.inference_worker.server import (
+    InferenceServer,
+    TakenRequests,
+    WorkerIdentity,
+    progress_bodies,
+)
 from rollout_ledger.shared.events import InferenceRequested, SamplingParams, TurnGenerated, decode_as, encode
 from rollout_ledger.shared.kit import bus
 from rollout_ledger.shared.subjects import (
@@ -215,3 +220,11 @@ def test_progress_is_asked_with_a_subject_of_its_own_and_an_interval() -> None:
     for elsewhere in ("rl.events.turn.generated", "rl.infer.progress", "rl.infer.progress.", "rl.infer.progress.>",
                       "rl.infer.progress.a.b", "rl.infer.progress.*", "_INBOX.x"):
         assert progress_asked({PROGRESS_TO_HEADER: elsewhere, PROGRESS_EVERY_HEADER: "1"}) is None, elsewhere
+
+
+def test_progress_for_many_requests_comes_in_bodies_of_bounded_size() -> None:
+    replies = [f"_INBOX.env-worker.abcdef.{i}" for i in range(5000)]
+    bodies = progress_bodies(replies, max_bytes=4096)
+    assert len(bodies) > 1 and all(len(b) <= 4096 for b in bodies)
+    assert [line.decode() for b in bodies for line in b.split(b"\n")] == replies  # every one, once, in order
+    assert progress_bodies([]) == [] and progress_bodies(["x" * 10], max_bytes=4) == [b"x" * 10]

@@ -9,10 +9,10 @@ subscription, one deadline sweeper, no timer or task per request), so a try can 
 A try waits ``request_timeout_s`` from its worker's last sign of life, not from its send: each request asks its
 worker (headers ``Rollout-Progress-To``, this client's progress subject, and ``Rollout-Progress-Every``, a
 ``PROGRESS_SHARE`` of the timeout) to say that it still generates it, and each such message moves the try's
-deadline. A turn that takes longer than the timeout on a
-slow but live worker (a long turn on a CPU, a turn held by a weight swap) finishes on its first try instead of being
-cut and generated again from nothing; a try whose request or worker was lost still fails at its timeout. A worker of
-an older release sends no progress: its tries wait from the send, as before.
+deadline. A turn that takes longer than the timeout on a slow but live worker (a long turn on a CPU, a turn held by a
+weight swap) finishes on its first try instead of being cut and generated again from nothing; a try whose request or
+worker was lost still fails at its timeout. A worker of an older release sends no progress: its tries wait from the
+send, as before.
 """
 
 from __future__ import annotations

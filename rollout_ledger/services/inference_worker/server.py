@@ -172,6 +172,29 @@ class TakenRequests:
         self._at.pop(request_id, None)
 
 
+PROGRESS_MAX_BYTES = 64 * 1024
+"""The most bytes of reply subjects one progress message carries (far under NATS's 1 MiB payload limit: a requester
+with tens of thousands of requests here gets several messages)."""
+
+
+def progress_bodies(replies: list[str], max_bytes: int = PROGRESS_MAX_BYTES) -> list[bytes]:
+    """The reply subjects ``replies`` as progress message bodies, one a line, each body at most ``max_bytes`` (or
+    one subject, should a subject alone be longer)."""
+    bodies: list[bytes] = []
+    lines: list[bytes] = []
+    size = 0
+    for reply in replies:
+        line = reply.encode()
+        if lines and size + 1 + len(line) > max_bytes:
+            bodies.append(b"\n".join(lines))
+            lines, size = [], 0
+        size += len(line) + (1 if lines else 0)
+        lines.append(line)
+    if lines:
+        bodies.append(b"\n".join(lines))
+    return bodies
+
+
 def request_log(request: InferenceRequested) -> Any:
     """A logger bound to the request's episode and batch (built only when there is something to log)."""
     return log.bind(episode_id=request.episode_id, batch_id=request.batch_id, request_id=request.request_id)
@@ -275,8 +298,9 @@ class InferenceServer:
                 due.setdefault(to, []).append(reply)
                 self._progress[request_id] = (to, reply, every_s, now + every_s)
         for to, replies in due.items():
-            with bus.best_effort("publish a progress message"):  # a lost one is covered by the next ones
-                await self.nc.publish(to, "\n".join(replies).encode())
+            for body in progress_bodies(replies):
+                with bus.best_effort("publish a progress message"):  # a lost one is covered by the next ones
+                    await self.nc.publish(to, body)
         return sum(len(replies) for replies in due.values())
 
     async def drain(self, timeout_s: float) -> None:
