@@ -171,6 +171,10 @@ def permission_table() -> dict[str, Permissions]:
         INFERENCE_WORKER: Permissions(
             publish=(*_topology(update=False), *_events(INFERENCE_WORKER), sj.INFER_HEARTBEAT,
                      sj.infer_progress_subject("*"),  # a request held here is still being generated
+                     # its replies, explicitly: under allow_responses alone, nats-server refused some replies to
+                     # env workers' requests (`permissions violation for publish to "_inbox.env-worker..."`, the
+                     # demo's first tau2 user turns), and each such try waited out its request timeout
+                     f"{inbox_prefix(ENV_WORKER)}.>",
                      *_kv_write(sj.POLICY_WORKERS_BUCKET),
                      *_kv_read(sj.POLICY_BUCKET), *_kv_read(sj.POLICY_ENV_BUCKET)),
             subscribe=(f"{inbox_prefix(INFERENCE_WORKER)}.>", sj.INFER_ANY, sj.infer_worker_subject("*"),

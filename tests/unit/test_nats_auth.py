@@ -113,6 +113,18 @@ def test_replies_reach_only_their_requester() -> None:
     assert not any(may_subscribe(u, "$SYS.ACCOUNT.x.CONNECT") for u in USERS)
 
 
+def test_an_inference_worker_may_answer_an_env_worker_however_long_the_turn_took() -> None:
+    """``allow_responses: true`` lets a reply through only within 2 minutes of the request's delivery (nats-server's
+    default expiry): a turn that took longer (a long turn on a CPU, kept alive by progress messages) had its reply
+    refused, and its try waited out its timeout. The inference worker may publish into env workers' inboxes
+    explicitly, and into nobody else's."""
+    env_inbox = f"{nats_auth.inbox_prefix(ENV_WORKER)}.abc.1"
+    assert publishers(env_inbox) == {INFERENCE_WORKER}
+    for user in USERS:
+        if user != ENV_WORKER:
+            assert not may_publish(INFERENCE_WORKER, f"{nats_auth.inbox_prefix(user)}.abc.1"), user
+
+
 def test_every_stream_is_written_and_consumed_by_someone() -> None:
     """A stream added to subjects.py without a grant fails here (the advisory stream is written by NATS itself)."""
     consumers = {subjects.WORK_STREAM: (subjects.WORK_CONSUMER, ENV_WORKER),
