@@ -155,6 +155,14 @@ class RacingLeases(FakeLeases):
             self.reply.set_result(None)
 
 
+def _work_item(group_index: int) -> EpisodeRequested:
+    """The work item of episode ``b.0.<group_index>`` (one turn of ``echo``)."""
+    episode_id = f"b.0.{group_index}"
+    return EpisodeRequested(event_id=f"{episode_id}:requested", episode_id=episode_id, batch_id="b", attempt=1, seq=0,
+                            produced_by="test", env="echo", task={}, group_id="b.0", group_index=group_index,
+                            group_size=1, sampling=SamplingParams(max_tokens=16), max_turns=1)
+
+
 async def test_an_episode_ends_though_its_lease_keeper_missed_the_cancellation() -> None:
     """The keeper's renewal is answered just as the episode ends: its cancellation is lost (Python 3.11), and the
     episode's task used to wait for the keeper for good, counted as running (it held a policy drain open)."""
@@ -167,9 +175,7 @@ async def test_an_episode_ends_though_its_lease_keeper_missed_the_cancellation()
 
     runner._attempt = attempt  # type: ignore[method-assign]  # the episode itself is not what is tested here
     msg = FakeDelivery(seq=7)
-    item = EpisodeRequested(event_id="b.0.0:requested", episode_id="b.0.0", batch_id="b", attempt=1, seq=0,
-                            produced_by="test", env="echo", task={}, group_id="b.0", group_index=0, group_size=1,
-                            sampling=SamplingParams(max_tokens=16), max_turns=1)
+    item = _work_item(0)
     await asyncio.wait_for(runner._run_item(msg, item), 5.0)
     assert msg.acked == 1 and leases.released_at is not None
     assert leases.renewals_after_release == 0, "the lease was written again after its release"
@@ -204,9 +210,7 @@ async def test_an_episode_fenced_out_stops_though_it_missed_the_cancellation() -
 
     runner._attempt = attempt  # type: ignore[method-assign]  # the episode itself is not what is tested here
     msg = FakeDelivery(seq=8)
-    item = EpisodeRequested(event_id="b.0.1:requested", episode_id="b.0.1", batch_id="b", attempt=1, seq=0,
-                            produced_by="test", env="echo", task={}, group_id="b.0", group_index=1, group_size=1,
-                            sampling=SamplingParams(max_tokens=16), max_turns=1)
+    item = _work_item(1)
     running = asyncio.create_task(runner._run_item(msg, item))
     # not wait_for: on 3.11 it returns a task that ends normally after its own timeout's cancellation (this one does)
     done, _ = await asyncio.wait({running}, timeout=10.0)
